@@ -1,0 +1,103 @@
+"""Our model's logits equal transformers' for every supported variant and batch shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import ScheduledRequest
+from worker.model.loader import load_model
+from worker.request import SamplingParams
+
+BS = 4  # small blocks: sequences span many of them
+ATOL = 2e-4
+VARIANTS = ["llama3", "llama2", "smollm2", "mistral", "qwen2", "qwen3"]
+
+
+def _ref_logits(ref_model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref_model(torch.tensor([tokens])).logits[0].float()  # [L, V]
+
+
+def _sched(rid: str, tokens: list[int], start: int, n: int, blocks: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=rid,
+        token_ids=tokens,
+        start=start,
+        num_new_tokens=n,
+        block_ids=blocks,
+        num_prompt_tokens=len(tokens),
+        sampling_params=SamplingParams(temperature=0.0),
+        eos_token_ids=(),
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_reference(variant: str, tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir(variant)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = EngineConfig(model=str(path), block_size=BS, num_kv_blocks=64)
+    runner = ModelRunner(cfg, load_model(str(path)))
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(0, 49152, (30,), generator=g).tolist()
+    b = torch.randint(0, 49152, (26,), generator=g).tolist()
+    c = a[:16] + torch.randint(0, 49152, (14,), generator=g).tolist()  # shares 4 blocks with a
+    blocks_a, blocks_b = list(range(0, 8)), list(range(8, 15))
+    blocks_c = blocks_a[:4] + list(range(20, 24))  # prefix-cache reuse of a's first blocks
+    ra, rb, rc = _ref_logits(ref, a), _ref_logits(ref, b), _ref_logits(ref, c)
+
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+    # Step 1: a fresh prefill of a (23 tokens), alone.
+    out = runner.all_logits([_sched("a", a, 0, 23, blocks_a)])
+    check(out["a"], ra[0:23])
+    # Step 2, mixed: a decodes position 23; b prefills its first chunk; c computes its
+    # suffix on top of a's cached blocks (prefix reuse: context 16).
+    out = runner.all_logits(
+        [
+            _sched("a", a, 23, 1, blocks_a),
+            _sched("b", b, 0, 10, blocks_b),
+            _sched("c", c, 16, 12, blocks_c),
+        ]
+    )
+    check(out["a"], ra[23:24])
+    check(out["b"], rb[0:10])
+    check(out["c"], rc[16:28])
+    # Step 3: chunked prefill continues b (context 10); a and c decode.
+    out = runner.all_logits(
+        [
+            _sched("b", b, 10, 16, blocks_b),
+            _sched("a", a, 24, 1, blocks_a),
+            _sched("c", c, 28, 1, blocks_c),
+        ]
+    )
+    check(out["b"], rb[10:26])
+    check(out["a"], ra[24:25])
+    check(out["c"], rc[28:29])
+    # Decodes only, at different context lengths, then a alone to the end.
+    out = runner.all_logits([_sched("a", a, 25, 1, blocks_a), _sched("c", c, 29, 1, blocks_c)])
+    check(out["a"], ra[25:26])
+    check(out["c"], rc[29:30])
+    for pos in range(26, 30):
+        check(runner.all_logits([_sched("a", a, pos, 1, blocks_a)])["a"], ra[pos : pos + 1])
+
+
+def test_bfloat16_close_to_reference(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("smollm2")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    cfg = EngineConfig(model=str(path), block_size=BS, num_kv_blocks=32, dtype="bfloat16")
+    runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
+    toks = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = runner.all_logits([_sched("x", toks, 0, 20, list(range(5)))])["x"]
+    want = _ref_logits(ref, toks)
+    # bf16 keeps ~3 significant digits; both sides round differently in places.
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9

@@ -1,0 +1,136 @@
+"""The `kvflow` command: one click group for everything."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from worker.config import EngineConfig, parse_size
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def engine_options(fn: F) -> F:
+    """The engine's limits as flags; unset flags fall back to KVFLOW_* variables."""
+    opts = [
+        click.option(
+            "--model",
+            default=None,
+            help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct).",
+        ),
+        click.option(
+            "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None
+        ),
+        click.option("--device", default=None, help="cpu, cuda or cuda:N."),
+        click.option(
+            "--max-num-seqs", type=int, default=None, help="Sequences per step (default 64)."
+        ),
+        click.option(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="Token budget per step (default 2048).",
+        ),
+        click.option("--max-model-len", type=int, default=None),
+        click.option(
+            "--block-size", type=int, default=None, help="Tokens per KV block (default 16)."
+        ),
+        click.option("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks."),
+        click.option(
+            "--kv-cache-size",
+            default=None,
+            help="KV cache size in bytes, e.g. 2G (default 2G on CPU).",
+        ),
+        click.option("--prefix-caching/--no-prefix-caching", default=None),
+        click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None),
+        click.option("--scheduling", type=click.Choice(["continuous", "static"]), default=None),
+        click.option(
+            "--aging-s",
+            type=float,
+            default=None,
+            help="Seconds of waiting worth one priority level.",
+        ),
+        click.option("--max-tokens-cap", type=int, default=None),
+        click.option("--threads", type=int, default=None, help="torch threads on CPU."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from the engine_options flags (popped from kw) and the environment."""
+    size = kw.pop("kv_cache_size", None)
+    overrides = {
+        "model": kw.pop("model", None),
+        "dtype": kw.pop("dtype", None),
+        "device": kw.pop("device", None),
+        "max_num_seqs": kw.pop("max_num_seqs", None),
+        "max_num_batched_tokens": kw.pop("max_num_batched_tokens", None),
+        "max_model_len": kw.pop("max_model_len", None),
+        "block_size": kw.pop("block_size", None),
+        "num_kv_blocks": kw.pop("num_kv_blocks", None),
+        "kv_cache_bytes": parse_size(size) if size else None,
+        "enable_prefix_caching": kw.pop("prefix_caching", None),
+        "policy": kw.pop("policy", None),
+        "scheduling": kw.pop("scheduling", None),
+        "aging_s": kw.pop("aging_s", None),
+        "max_tokens_cap": kw.pop("max_tokens_cap", None),
+        "num_threads": kw.pop("threads", None),
+    }
+    try:
+        return EngineConfig.from_env(**overrides)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+
+
+@click.group()
+def main() -> None:
+    """kvflow: RabbitMQ-driven LLM batch worker with continuous batching."""
+
+
+@main.command("run-batch")
+@click.argument("input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Output JSONL ('-' for stdout).",
+)
+@click.option("--show/--no-show", default=False, help="Print each result's text.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@engine_options
+def run_batch(input_path: Path, output_path: Path, show: bool, progress: bool, **kw: Any) -> None:
+    """Run an OpenAI batch JSONL file through the engine, in process (no broker)."""
+    from worker.batch import run_batch_file
+    from worker.engine.engine import LLMEngine
+
+    config = build_engine_config(kw)
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    info = engine.info
+    click.echo(
+        f"kvflow: {info.model_name} on {info.device} ({info.dtype}), {info.num_blocks} KV blocks "
+        f"x {info.block_size} tokens, {config.scheduling} scheduling",
+        err=True,
+    )
+    if str(output_path) == "-":
+        items, summary = run_batch_file(engine, input_path, sys.stdout, progress)
+    else:
+        with open(output_path, "w", encoding="utf-8") as out:
+            items, summary = run_batch_file(engine, input_path, out, progress)
+    if show:
+        for item in items:
+            text = item.output.text if item.output is not None else f"ERROR: {item.error}"
+            click.echo(f"--- {item.custom_id}\n{text.strip()}")
+    click.echo(summary.table(), err=True)
+    if str(output_path) != "-":
+        click.echo(f"results: {output_path}", err=True)

@@ -1,0 +1,144 @@
+"""Configuration: frozen, validated once, built from flags and environment.
+
+Values only known once the model is loaded (number of KV blocks, EOS ids, the model's
+context length) live in `worker.engine.model_runner.RuntimeInfo`, never written back here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["fcfs", "priority"]
+Scheduling = Literal["continuous", "static"]
+
+CPU_DTYPES = ("float32", "bfloat16")
+CUDA_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes the engine. Invalid combinations raise ValueError.
+
+    KV capacity: give `num_kv_blocks` or `kv_cache_bytes`; with neither, the runner
+    takes a default (1 GiB on CPU, 90% of free memory on CUDA).
+    """
+
+    model: str | None = None  # HF directory or .gguf file; None = the bundled default
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's own context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    policy: Policy = "fcfs"
+    scheduling: Scheduling = "continuous"
+    # Priority aging: waiting `aging_s` seconds is worth one priority level, so low
+    # priority work cannot starve forever. 0 disables aging.
+    aging_s: float = 30.0
+    # A single prefill chunk takes at most this many tokens of the step budget, so one
+    # long prompt cannot crowd out the others (0 = no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
+    max_tokens_cap: int | None = None  # refuse requests asking for more output than this
+    cache_dir: str | None = None  # where converted GGUF models go
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            bad(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        allowed = CPU_DTYPES if self.device == "cpu" else CUDA_DTYPES
+        if self.dtype not in allowed:
+            bad(f"dtype {self.dtype!r} is not supported on {self.device}; choose one of {allowed}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                bad(f"{name} must be a positive integer, got {v!r}")
+        if self.block_size & (self.block_size - 1):
+            bad(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            bad(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            bad("give num_kv_blocks or kv_cache_bytes, not both")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.policy not in ("fcfs", "priority"):
+            bad(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.scheduling not in ("continuous", "static"):
+            bad(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.aging_s < 0:
+            bad(f"aging_s must be >= 0, got {self.aging_s}")
+        if self.long_prefill_token_threshold < 0:
+            bad("long_prefill_token_threshold must be >= 0")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            bad(f"max_tokens_cap must be positive, got {self.max_tokens_cap}")
+        if self.num_threads is not None and self.num_threads < 1:
+            bad(f"num_threads must be positive, got {self.num_threads}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
+        """Build from KVFLOW_* environment variables; explicit overrides win."""
+        env = os.environ if env is None else env
+        fields: dict[str, object] = {}
+        for name, conv in _ENV_FIELDS.items():
+            raw = env.get("KVFLOW_" + name.upper())
+            if raw is not None and raw != "":
+                try:
+                    fields[name] = conv(raw)
+                except ValueError as e:
+                    raise ValueError(f"KVFLOW_{name.upper()}={raw!r} is not valid: {e}") from e
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB' or a plain byte count -> bytes."""
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(s[-1:], 1)
+    if mult != 1:
+        s = s[:-1]
+    try:
+        value = float(s)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * mult)
+
+
+def _bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+_ENV_FIELDS = {
+    "model": str,
+    "dtype": str,
+    "device": str,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "block_size": int,
+    "num_kv_blocks": int,
+    "kv_cache_bytes": parse_size,
+    "enable_prefix_caching": _bool,
+    "policy": str,
+    "scheduling": str,
+    "aging_s": float,
+    "max_tokens_cap": int,
+    "cache_dir": str,
+    "num_threads": int,
+}

@@ -1,0 +1,256 @@
+"""The model runner: owns the model, the KV tensors and the sampler.
+
+execute_model turns a SchedulerOutput into flat tensors (tokens, positions, slot
+mapping, attention metadata), runs one forward pass over the mixed batch, computes
+logits only for the positions that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.config import EngineConfig
+from worker.engine.kv_cache import cdiv
+from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    Workspace,
+    decode_mask,
+    prefill_mask,
+)
+from worker.model.loader import DTYPES, LoadedModel
+from worker.model.sampler import Sampler, SamplingRow
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+CUDA_MEMORY_FRACTION = 0.9
+# Decode groups: sequences sorted by context length are padded together; a group is
+# split when padding would exceed this fraction of the useful work.
+MAX_DECODE_PADDING = 0.25
+MIN_DECODE_GROUP = 8
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts found at start-up (never written back into the config)."""
+
+    model_name: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    device: str
+    dtype: str
+    kv_cache_bytes: int
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch, ready for the forward pass."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    order: list[ScheduledRequest]  # the requests in flat-row order
+    sampling: list[ScheduledRequest]  # requests that sample this step, in logit-row order
+    logit_rows: torch.Tensor  # [S] flat rows whose hidden states give the logits
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model = loaded.model
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        mcfg = loaded.config
+        self.sliding_window = mcfg.sliding_window
+        self.block_size = config.block_size
+        # bytes of K and V for one block across all layers
+        block_bytes = (
+            2
+            * mcfg.num_layers
+            * self.block_size
+            * mcfg.num_kv_heads
+            * mcfg.head_dim
+            * self.dtype.itemsize
+        )
+        num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
+        shape = (num_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        # Zeroed: padded attention reads unwritten slots (masked, but 0 * NaN is NaN).
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mcfg.num_layers)
+        ]
+        self.workspace = Workspace(self.device, self.dtype)
+        self.sampler = Sampler(self.device, seed=0)
+        max_len = min(
+            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
+        self.info = RuntimeInfo(
+            model_name=loaded.name,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_model_len=max_len,
+            eos_token_ids=loaded.tokenizer.eos_token_ids,
+            vocab_size=mcfg.vocab_size,
+            device=str(self.device),
+            dtype=config.dtype,
+            kv_cache_bytes=num_blocks * block_bytes,
+        )
+
+    def _kv_budget(self, config: EngineConfig) -> int:
+        if config.kv_cache_bytes is not None:
+            return config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free * CUDA_MEMORY_FRACTION)
+        return DEFAULT_CPU_KV_BYTES
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        inp = self._prepare(sched.scheduled)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
+        sampling = inp.sampling
+        if not sampling:
+            return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
+        logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))  # [S, V]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        out = self.sampler(logits, [_sampling_row(s) for s in sampling])
+        sampled = {s.request_id: t for s, t in zip(sampling, out.token_ids, strict=True)}
+        logprobs = {
+            s.request_id: lp for s, lp in zip(sampling, out.logprobs, strict=True) if lp is not None
+        }
+        return ModelRunnerOutput(sampled, logprobs, t1 - t0, time.perf_counter() - t1)
+
+    @torch.inference_mode()
+    def all_logits(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
+        """Diagnostics: one forward pass; logits [n, V] of every token each request computes."""
+        inp = self._prepare(scheduled)
+        logits = self.model.compute_logits(
+            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        )
+        out, row = {}, 0
+        for s in inp.order:
+            out[s.request_id] = logits[row : row + s.num_new_tokens]
+            row += s.num_new_tokens
+        return out
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        """Flatten the batch: single-token rows first (sorted by context), then chunks."""
+        bs = self.block_size
+        singles = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
+        chunks = [s for s in scheduled if s.num_new_tokens > 1]
+        order = singles + chunks
+        n_single = len(singles)
+
+        ids: list[int] = [s.token_ids[s.start] for s in singles]
+        pos: list[int] = [s.start for s in singles]
+        slots: list[int] = [s.block_ids[s.start // bs] * bs + s.start % bs for s in singles]
+        last_row: list[int] = list(range(n_single))
+        prefills: list[PrefillChunk] = []
+        row = n_single
+        for s in chunks:
+            n, start = s.num_new_tokens, s.start
+            ids.extend(s.token_ids[start : start + n])
+            p = np.arange(start, start + n)
+            blocks = np.asarray(s.block_ids[: cdiv(start + n, bs)], dtype=np.int64)
+            pos.extend(p.tolist())
+            slots.extend((blocks[p // bs] * bs + p % bs).tolist())
+            prefills.append(
+                PrefillChunk(
+                    start=row,
+                    end=row + n,
+                    num_context=start,
+                    gather_index=None if start == 0 else torch.from_numpy(blocks).to(self.device),
+                    mask=prefill_mask(start, n, self.sliding_window, self.device),
+                )
+            )
+            row += n
+            last_row.append(row - 1)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            decode_groups=self._decode_groups(singles),
+            prefills=prefills,
+            block_size=bs,
+            workspace=self.workspace,
+        )
+        sampling = [i for i, s in enumerate(order) if s.samples]
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            meta=meta,
+            order=order,
+            sampling=[order[i] for i in sampling],
+            logit_rows=torch.tensor([last_row[i] for i in sampling], dtype=torch.int64, device=dev),
+        )
+
+    def _decode_groups(self, singles: list[ScheduledRequest]) -> list[DecodeGroup]:
+        """Split length-sorted single-token rows into groups with bounded padding."""
+        bs = self.block_size
+        groups: list[DecodeGroup] = []
+        start = 0
+        useful = 0
+        for i, s in enumerate(singles):
+            blocks_i = cdiv(s.start + 1, bs)
+            size = i - start
+            if size >= MIN_DECODE_GROUP and blocks_i * (size + 1) > (1 + MAX_DECODE_PADDING) * (
+                useful + blocks_i
+            ):
+                groups.append(self._decode_group(singles, start, i))
+                start, useful = i, 0
+            useful += blocks_i
+        if start < len(singles):
+            groups.append(self._decode_group(singles, start, len(singles)))
+        return groups
+
+    def _decode_group(self, singles: list[ScheduledRequest], start: int, end: int) -> DecodeGroup:
+        bs = self.block_size
+        members = singles[start:end]
+        ctx = [s.start + 1 for s in members]
+        nb = cdiv(max(ctx), bs)
+        table = np.empty((len(members), nb), dtype=np.int64)
+        for r, s in enumerate(members):
+            used = cdiv(ctx[r], bs)
+            table[r, :used] = s.block_ids[:used]
+            table[r, used:] = s.block_ids[used - 1]  # padding: any valid block, masked out
+        lens = torch.tensor(ctx, dtype=torch.int64, device=self.device)
+        return DecodeGroup(
+            start=start,
+            end=end,
+            gather_index=torch.from_numpy(table.reshape(-1)).to(self.device),
+            num_blocks=nb,
+            mask=decode_mask(lens, nb * bs, self.sliding_window),
+        )
+
+
+def _sampling_row(s: ScheduledRequest) -> SamplingRow:
+    p = s.sampling_params
+    out_index = len(s.token_ids) - s.num_prompt_tokens
+    if p.needs_penalties:
+        prompt, output = s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :]
+    else:
+        prompt, output = (), ()
+    banned: tuple[int, ...] = ()
+    if out_index < p.min_tokens:
+        banned = p.stop_token_ids + (() if p.ignore_eos else s.eos_token_ids)
+    return SamplingRow(
+        params=p,
+        output_index=out_index,
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        min_tokens_stop_ids=banned,
+    )

@@ -1,0 +1,164 @@
+"""Paged attention over a block KV cache, for a flattened mixed batch.
+
+The batch is a flat run of T tokens: first the decode tokens (one per running
+sequence, grouped by context length), then prefill chunks (one contiguous run per
+sequence). Every layer writes its new K/V into the cache through `slot_mapping`, then:
+
+- decode groups gather the blocks of their sequences into a padded scratch tensor and
+  run one SDPA call per group, with the G = heads // kv_heads query heads of a KV head
+  treated as G queries against that head (no K/V repetition for GQA);
+- a prefill chunk of a fresh prompt attends to its own K/V (causal), no gather;
+- a chunk that continues a cached prefix (chunked prefill, prefix-cache hit) gathers
+  its sequence's blocks and uses a causal mask shifted by the cached length.
+
+Everything a layer needs is in `AttentionMetadata`, built once per step by the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class Workspace:
+    """Grow-only scratch buffers, reused by every layer and every step.
+
+    On CPU a fresh multi-megabyte tensor is mmap'ed and page-faulted on first touch,
+    which costs more than the gather that fills it; reusing one buffer avoids that.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        """A [rows, cols] view of the named buffer (contents undefined)."""
+        numel = rows * cols
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            # Grow by half again so a slowly rising need does not reallocate every step.
+            size = max(numel, int(buf.numel() * 1.5) if buf is not None else 0)
+            buf = torch.empty(size, device=self.device, dtype=self.dtype)
+            self._buffers[name] = buf
+        return buf[:numel].view(rows, cols)
+
+
+@dataclass
+class DecodeGroup:
+    """Decode tokens [start, end) attended together over padded contexts."""
+
+    start: int
+    end: int
+    gather_index: torch.Tensor  # [n * nb] block ids, nb blocks per sequence (padding repeats)
+    num_blocks: int  # nb
+    mask: torch.Tensor  # [n, 1, 1, nb * block_size] bool, True where the key is visible
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens [start, end) of one sequence, at positions num_context.. onwards."""
+
+    start: int
+    end: int
+    num_context: int  # tokens of this sequence already in the cache before this chunk
+    gather_index: torch.Tensor | None  # [nb] block ids covering context + chunk; None if fresh
+    mask: torch.Tensor | None  # [q, k] bool (None: plain causal over the chunk itself)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of every attention layer (built once, shared by all layers)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset)
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    block_size: int
+    workspace: Workspace
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's K/V in the cache and attend; returns [T, H, D]."""
+    _, H, D = q.shape
+    kvh = k.shape[1]
+    group = H // kvh
+    flat_k = k_cache.view(-1, kvh, D)
+    flat_v = v_cache.view(-1, kvh, D)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    block_elems = meta.block_size * kvh * D
+    k_blocks = k_cache.view(k_cache.shape[0], block_elems)
+    v_blocks = v_cache.view(v_cache.shape[0], block_elems)
+    ws = meta.workspace
+
+    for g in meta.decode_groups:
+        n = g.end - g.start
+        L = g.num_blocks * meta.block_size
+        kg = torch.index_select(
+            k_blocks, 0, g.gather_index, out=ws.get("k", n * g.num_blocks, block_elems)
+        )
+        vg = torch.index_select(
+            v_blocks, 0, g.gather_index, out=ws.get("v", n * g.num_blocks, block_elems)
+        )
+        kg = kg.view(n, L, kvh, D).transpose(1, 2)  # [n, KVH, L, D]
+        vg = vg.view(n, L, kvh, D).transpose(1, 2)
+        qg = q[g.start : g.end].view(n, kvh, group, D)  # G query heads share one KV head
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+        out[g.start : g.end] = o.reshape(n, H, D)
+
+    for p in meta.prefills:
+        qp = q[p.start : p.end].transpose(0, 1)  # [H, L, D]
+        if p.gather_index is None:
+            kp = k[p.start : p.end].transpose(0, 1)  # [KVH, L, D]
+            vp = v[p.start : p.end].transpose(0, 1)
+        else:
+            nb = p.gather_index.numel()
+            total = p.num_context + (p.end - p.start)
+            kp = torch.index_select(k_blocks, 0, p.gather_index, out=ws.get("k", nb, block_elems))
+            vp = torch.index_select(v_blocks, 0, p.gather_index, out=ws.get("v", nb, block_elems))
+            kp = kp.view(-1, kvh, D)[:total].transpose(0, 1)  # [KVH, total, D]
+            vp = vp.view(-1, kvh, D)[:total].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
+        out[p.start : p.end] = o.transpose(0, 1)
+    return out
+
+
+def decode_mask(
+    context_lens: torch.Tensor,  # [n] int64
+    num_keys: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """[n, 1, 1, num_keys] bool: key j of row i is visible iff j < len_i (and inside the window)."""
+    j = torch.arange(num_keys, device=context_lens.device)
+    visible = j[None, :] < context_lens[:, None]
+    if sliding_window is not None:
+        visible &= j[None, :] >= (context_lens[:, None] - sliding_window)
+    return visible[:, None, None, :]
+
+
+def prefill_mask(
+    num_context: int, num_query: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """[q, k] bool causal mask shifted by num_context; None when plain causal suffices."""
+    if num_context == 0 and (sliding_window is None or num_query <= sliding_window):
+        return None
+    qpos = torch.arange(num_context, num_context + num_query, device=device)[:, None]
+    kpos = torch.arange(num_context + num_query, device=device)[None, :]
+    visible = kpos <= qpos
+    if sliding_window is not None:
+        visible &= kpos > qpos - sliding_window
+    return visible

@@ -1,0 +1,166 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) on a paged KV cache.
+
+The forward pass takes a flat batch of T tokens from many sequences (prefill chunks
+and decode tokens mixed), their positions and the attention metadata; the model holds
+weights only, the KV cache tensors are passed in by the runner.
+Shapes: T tokens, H heads, KVH kv heads, D head_dim, C hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # ([NB, BS, KVH, D], [NB, BS, KVH, D])
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
+
+
+class Linear(nn.Module):
+    """nn.Linear without the random initialisation: weights always come from a checkpoint."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as the reference does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, 'rotate half' layout; cos/sin tables in the model dtype."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        # Angles in float32 (exact for the positions used), stored in the model dtype
+        # once `.to(dtype)` is applied to the module, as the reference applies them.
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), cfg.inv_freq())
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, D/2] (computed once per step)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused: one matmul instead of three.
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.view(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        # gate and up projections fused: [C] -> [2 * I]
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; `forward` returns hidden states, `compute_logits` the logits."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, C]
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, C] hidden states of the positions that sample -> [S, V] float32 logits."""
+        h = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()

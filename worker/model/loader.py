@@ -1,0 +1,137 @@
+"""Find a model (HF directory, GGUF file or the bundled default) and load it.
+
+A GGUF file is converted once into a cached HF directory (worker.model.gguf), so every
+start after the first reads safetensors, memory-mapped: well under a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.model.config import ModelConfig
+from worker.model.gguf import cached_conversion, default_model_path
+from worker.model.llama import LlamaForCausalLM, Rotary
+from worker.model.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path  # the HF directory the weights came from
+    name: str  # a short name for logs, metrics and the ledger
+
+
+def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> Path:
+    """The HF directory for `model`: a directory as is, a .gguf converted (cached).
+
+    Nothing is ever fetched from a model hub: a name that is not a local path is an error.
+    """
+    cache = Path(cache_dir) if cache_dir else None
+    if model is None:
+        return cached_conversion(default_model_path(), cache)
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return cached_conversion(p, cache)
+    if p.is_dir():
+        return p
+    raise FileNotFoundError(
+        f"model {model!r} is neither a model directory nor a .gguf file "
+        "(models are read from local paths only)"
+    )
+
+
+def load_model(
+    model: str | None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_positions: int | None = None,
+    cache_dir: str | None = None,
+) -> LoadedModel:
+    """Load weights and tokenizer; q/k/v and gate/up weights are fused on the way in."""
+    path = resolve_model_dir(model, cache_dir)
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = DTYPES[dtype]
+    dev = torch.device(device)
+    net = LlamaForCausalLM(cfg, max_positions=1)  # uninitialised; the checkpoint fills it
+    state = _read_state_dict(path, cfg, torch_dtype, dev)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings).to(dev, torch_dtype)
+    net.eval().requires_grad_(False)
+    tokenizer = Tokenizer.from_dir(path)
+    name = path.name.split("-")[0] if model is None else Path(model).stem
+    return LoadedModel(
+        net, cfg, tokenizer, path, name if model is not None else _default_name(path)
+    )
+
+
+def _default_name(path: Path) -> str:
+    # The cache directory is "<gguf stem>-<hash>"; the stem is the model's name.
+    return path.name.rsplit("-", 1)[0]
+
+
+def _read_state_dict(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                raw[key.removeprefix("model.")] = st.get_tensor(key)
+    if cfg.tie_word_embeddings:
+        raw.pop("lm_head.weight", None)
+
+    state: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return raw.pop(name)
+        except KeyError:
+            raise ValueError(f"weights in {path} lack tensor {name!r}") from None
+
+    for i in range(cfg.num_layers):
+        pre = f"layers.{i}."
+        att = pre + "self_attn."
+        state[att + "qkv_proj.weight"] = torch.cat(
+            [take(att + "q_proj.weight"), take(att + "k_proj.weight"), take(att + "v_proj.weight")]
+        )
+        if cfg.qkv_bias:
+            state[att + "qkv_proj.bias"] = torch.cat(
+                [take(att + "q_proj.bias"), take(att + "k_proj.bias"), take(att + "v_proj.bias")]
+            )
+        state[att + "o_proj.weight"] = take(att + "o_proj.weight")
+        if cfg.o_bias:
+            state[att + "o_proj.bias"] = take(att + "o_proj.bias")
+        if cfg.qk_norm:
+            state[att + "q_norm.weight"] = take(att + "q_norm.weight")
+            state[att + "k_norm.weight"] = take(att + "k_norm.weight")
+        mlp = pre + "mlp."
+        state[mlp + "gate_up_proj.weight"] = torch.cat(
+            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
+        )
+        if cfg.mlp_bias:
+            state[mlp + "gate_up_proj.bias"] = torch.cat(
+                [take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]
+            )
+            state[mlp + "down_proj.bias"] = take(mlp + "down_proj.bias")
+        state[mlp + "down_proj.weight"] = take(mlp + "down_proj.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[pre + norm + ".weight"] = take(pre + norm + ".weight")
+    state["embed_tokens.weight"] = take("embed_tokens.weight")
+    state["norm.weight"] = take("norm.weight")
+    if not cfg.tie_word_embeddings:
+        state["lm_head.weight"] = take("lm_head.weight")
+    leftovers = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
+    if leftovers:
+        raise ValueError(f"unexpected tensors in {path}: {leftovers[:5]}")
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in state.items()}

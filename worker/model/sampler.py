@@ -1,0 +1,373 @@
+"""Batched token sampling on the logits' device.
+
+One call per engine step, all rows together:
+  1. min_tokens bans and repetition / frequency / presence penalties on a float32 copy
+     (only the rows that need them pay for them);
+  2. greedy rows (temperature 0): argmax;
+  3. random rows: divide by temperature, filter (top_k, then top_p, then min_p), sample;
+  4. logprobs of the raw logits for rows that ask, then one device-to-host transfer.
+
+Sampling is an exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is token i
+with probability p_i, and the normaliser of p does not matter. A row with a seed takes
+its E from a generator seeded from (seed, output_index) only, drawn over the whole
+vocabulary and indexed by token id, so its choice depends on nothing else in the batch
+and repeats after a preemption.
+
+Filtered rows race among their best C candidates (torch.topk) instead of the whole
+vocabulary. Each filter's kept set is a prefix of the best-first order, so when one of
+them provably ends inside the candidates (k <= C, nucleus mass reached, min_p threshold
+above the C-th value) the result is exact; the other rows retry with a wider C and, last,
+a full sort. Ties at the top_k threshold are all kept, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from worker.request import SamplingParams
+
+# Candidate widths tried, in order, for rows with top_k / top_p / min_p; then a full sort.
+_CANDIDATE_WIDTHS = (64, 1024)
+# Block size of the two-level argmax (a plain argmax is several times slower on CPU).
+_ARGMAX_BLOCK = 128
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    output_index: int  # tokens generated so far by this request (0 for its first token)
+    prompt_token_ids: Sequence[int]  # read only; for repetition_penalty
+    output_token_ids: Sequence[int]  # read only; for all three penalties
+    # EOS ids + stop_token_ids, banned while output_index < params.min_tokens.
+    min_tokens_stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (of the raw logits) for one sampled token."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), best first, len = params.logprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token per row, and logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+class Sampler:
+    """Samples one token per row of a [N, V] logits tensor; see the module docstring.
+
+    `seed` seeds the sampler's own generator, used by rows without a seed of their own.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
+        n, vocab = logits.shape
+        if n != len(rows):
+            raise ValueError(f"logits has {n} rows but {len(rows)} sampling rows were given")
+        if not logits.is_floating_point() or vocab == 0:
+            raise ValueError(f"logits must be a non-empty float tensor, got {logits.dtype}")
+        if logits.device != self._generator.device:
+            raise ValueError(f"logits are on {logits.device}, the sampler on {self.device}")
+        if n == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+
+        x = _penalized(logits, rows)  # [N, V] float32; `logits` itself if nothing changed
+        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            g = _index(greedy, logits.device)
+            tokens[g] = _argmax(x if len(greedy) == n else x.index_select(0, g))
+        if rand:
+            r = _index(rand, logits.device)
+            # [R, V], a tensor of our own: divided by temperature in place.
+            xr = x if len(rand) == n and x is not logits else x.index_select(0, r)
+            temps = [rows[i].params.temperature for i in rand]
+            xr.div_(torch.tensor(temps, device=xr.device)[:, None])
+            tokens[r] = self._sample(xr, [rows[i] for i in rand])
+        return _output(logits, rows, tokens)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Token ids [R] for temperature-scaled logits x [R, V]."""
+        vocab = x.shape[1]
+        filtered = [j for j, r in enumerate(rows) if _has_filter(r.params, vocab)]
+        plain = [j for j, r in enumerate(rows) if not _has_filter(r.params, vocab)]
+        if not filtered:
+            return self._race_full(x, rows)
+        if not plain:
+            return self._race_filtered(x, rows)
+        out = torch.empty(len(rows), dtype=torch.int64, device=x.device)
+        p, f = _index(plain, x.device), _index(filtered, x.device)
+        out[p] = self._race_full(x.index_select(0, p), [rows[j] for j in plain])
+        out[f] = self._race_filtered(x.index_select(0, f), [rows[j] for j in filtered])
+        return out
+
+    def _race_full(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The race over the whole vocabulary: x [R, V] -> token ids [R]."""
+        q = (x - x.amax(-1, keepdim=True)).exp_()  # [R, V] unnormalised probabilities
+        return _argmax(q.div_(self._race_times(rows, x.shape[1], x.device)))
+
+    def _race_filtered(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """top_k, top_p, min_p and the race among candidates: x [R, V] -> token ids [R]."""
+        vocab, device = x.shape[1], x.device
+        ps = [r.params for r in rows]
+        top_k = torch.tensor([p.top_k if p.top_k < vocab else 0 for p in ps], device=device)
+        top_p = torch.tensor([p.top_p for p in ps], device=device)
+        log_min_p = torch.tensor(
+            [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps], device=device
+        )
+        # log of the softmax normaliser of the whole row; needed by top_p rows without top_k.
+        lse = torch.logsumexp(x, -1) if any(p.top_p < 1 for p in ps) else x.new_zeros(len(ps))
+
+        out = torch.empty(len(rows), dtype=torch.int64, device=device)
+        pending = torch.arange(len(rows), device=device)
+        for width in (*(w for w in _CANDIDATE_WIDTHS if w < vocab), vocab):
+            ids = pending.tolist()  # the rows still to settle (a host sync, once per width)
+            xs = x if len(ids) == len(rows) else x.index_select(0, pending)
+            if width < vocab:
+                vals, cols = xs.topk(width, -1)  # [P, C] best first
+            else:
+                vals, cols = xs.sort(-1, descending=True)
+            times = self._race_times([rows[i] for i in ids], vocab, device, cols)
+            token, done = _race_candidates(
+                vals,
+                cols,
+                times,
+                vocab,
+                top_k[pending],
+                top_p[pending],
+                log_min_p[pending],
+                lse[pending],
+            )
+            out[pending] = token
+            pending = pending[~done]
+            if pending.numel() == 0:
+                break
+        return out
+
+    def _race_times(
+        self,
+        rows: list[SamplingRow],
+        vocab: int,
+        device: torch.device,
+        cols: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Exp(1) arrival times [R, V], or [R, C] for the token ids in cols [R, C].
+
+        Unseeded rows draw from the sampler's generator in one call. A seeded row draws
+        its whole vocabulary from its own generator and picks the times of its tokens,
+        so a token's time is the same whichever candidates it is among.
+        """
+        width = vocab if cols is None else cols.shape[1]
+        u = torch.empty(len(rows), width, device=device)
+        unseeded = [j for j, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            u.uniform_(generator=self._generator)
+        elif unseeded:
+            u[_index(unseeded, device)] = torch.rand(
+                len(unseeded), width, generator=self._generator, device=device
+            )
+        for j, r in enumerate(rows):
+            if r.params.seed is None:
+                continue
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_row_seed(r.params.seed, r.output_index))
+            draw = torch.rand(vocab, generator=gen, device=device)
+            u[j] = draw if cols is None else draw[cols[j]]
+        # -log(U), U in [0, 1): never 0, so p / E is never 0 / 0; U == 0 gives +inf (never wins).
+        return u.log_().neg_()
+
+
+def _race_candidates(
+    vals: torch.Tensor,
+    cols: torch.Tensor,
+    times: torch.Tensor,
+    vocab: int,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Filter and race among best-first candidates vals, cols, times [P, C].
+
+    Returns the winners' token ids [P] and whether each row's result is exact [P]:
+    the kept set provably lies inside the candidates (always so when C == V).
+    """
+    width = vals.shape[1]
+    full = width == vocab
+    top = vals[:, :1]  # [P, 1] the row's max logit
+    last = vals[:, -1]  # [P] the weakest candidate
+
+    has_k = top_k > 0
+    kth = vals.gather(1, (top_k.clamp(1, width) - 1)[:, None])  # [P, 1]
+    keep = (vals >= kth) | ~has_k[:, None]  # ties with the k-th value stay, as in vLLM
+    k_inside = has_k & (last < kth[:, 0]) if not full else has_k
+
+    # top_p sees the distribution left by top_k: its normaliser is the kept candidates'
+    # when they hold the whole top-k set, else the whole row's.
+    w = (vals - top).exp_() * keep  # [P, C] unnormalised kept probabilities
+    log_z = torch.where(k_inside, top[:, 0] + w.sum(-1).log(), lse)
+    probs = w * (top - log_z[:, None]).exp()  # [P, C]
+    cum = probs.cumsum(-1)
+    has_p = top_p < 1
+    keep &= ((cum - probs) < top_p[:, None]) | ~has_p[:, None]  # mass before it below top_p
+    p_inside = has_p & (cum[:, -1] >= top_p)
+
+    min_logit = top[:, 0] + log_min_p  # [P] prob >= min_p * max prob, in logit space
+    keep &= vals >= min_logit[:, None]
+    min_p_inside = last < min_logit
+
+    if full:
+        done = torch.ones_like(has_k)
+    else:
+        normaliser_known = ~has_p | ~has_k | k_inside
+        done = (k_inside | p_inside | min_p_inside) & normaliser_known
+    score = w.mul_(keep).div_(times)  # [P, C]; dropped candidates score 0
+    return cols.gather(1, score.argmax(-1, keepdim=True))[:, 0], done
+
+
+def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """float32 logits [N, V] after min_tokens bans and penalties.
+
+    Returns `logits` itself when it is float32 and nothing changes, else a new tensor.
+    """
+    vocab, device = logits.shape[1], logits.device
+    ban_rows: list[int] = []
+    ban_cols: list[int] = []
+    for i, r in enumerate(rows):
+        if r.output_index < r.params.min_tokens:
+            # An id outside the logits cannot be sampled, so needs no ban.
+            ids = [t for t in r.min_tokens_stop_ids if 0 <= t < vocab]
+            ban_rows += [i] * len(ids)
+            ban_cols += ids
+    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not ban_rows and not penalized:
+        return logits.float()
+    x = logits.to(torch.float32, copy=True)
+    if ban_rows:
+        x[_index(ban_rows, device), _index(ban_cols, device)] = -math.inf
+    if penalized:
+        idx = _index(penalized, device)
+        x[idx] = _apply_penalties(x.index_select(0, idx), [rows[i] for i in penalized])
+    return x
+
+
+def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, as vLLM applies them: x [P, V]."""
+    vocab, device = x.shape[1], x.device
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # [P, 1]
+
+    counts = _token_counts([r.output_token_ids for r in rows], vocab, device)  # [P, V]
+    present = counts.clamp(max=1)  # [P, V] 1.0 where the token was generated
+    reps = [r.params.repetition_penalty for r in rows]
+    if any(rep != 1.0 for rep in reps):
+        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in rows]
+        seen = _token_counts(prompts, vocab, device).add_(present).clamp_(max=1)
+        # rep where the token was seen (prompt or output), 1 elsewhere; positive logits
+        # are divided by it, the others multiplied (clamps: cheaper than a masked where).
+        factor = seen.mul_(column(reps) - 1).add_(1)
+        x = x.clamp(min=0).div_(factor).add_(x.clamp(max=0).mul_(factor))
+    x -= counts.mul_(column([r.params.frequency_penalty for r in rows]))
+    x -= present.mul_(column([r.params.presence_penalty for r in rows]))
+    return x
+
+
+def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Occurrences of each token id in each sequence: [len(seqs), vocab] float32."""
+    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+        raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
+    offsets = torch.arange(len(seqs), dtype=torch.int64) * vocab
+    keys = flat + offsets.repeat_interleave(torch.tensor([len(s) for s in seqs]))
+    counts = torch.bincount(keys.to(device), minlength=len(seqs) * vocab)
+    return counts.view(len(seqs), vocab).float()
+
+
+def _output(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
+) -> SamplerOutput:
+    """Logprobs from the raw logits; everything comes to the host in one transfer."""
+    n = len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    n_top = min(max((rows[i].params.logprobs or 0 for i in want), default=0), logits.shape[1])
+    parts = [tokens.double()]
+    if want:
+        idx = _index(want, logits.device)
+        lp = torch.log_softmax(logits.index_select(0, idx).float(), -1)  # [L, V]
+        parts.append(lp.gather(1, tokens[idx][:, None])[:, 0].double())  # [L]
+        if n_top:
+            best = lp.topk(n_top, -1)  # [L, n_top] best first
+            parts += [best.values.flatten().double(), best.indices.flatten().double()]
+    flat = torch.cat(parts).tolist()
+
+    token_ids = [int(t) for t in flat[:n]]
+    logprobs: list[TokenLogprobs | None] = [None] * n
+    n_lp = len(want)
+    top_vals = flat[n + n_lp : n + n_lp + n_lp * n_top]
+    top_ids = flat[n + n_lp + n_lp * n_top :]
+    for j, i in enumerate(want):
+        k = rows[i].params.logprobs or 0
+        base = j * n_top
+        top = tuple((int(top_ids[base + t]), top_vals[base + t]) for t in range(min(k, n_top)))
+        logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=flat[n + j], top=top)
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) for x [R, V] (first index of the max), via block maxima."""
+    vocab = x.shape[1]
+    nb = vocab // _ARGMAX_BLOCK
+    if nb < 2:
+        return x.argmax(-1)
+    block_max = x[:, : nb * _ARGMAX_BLOCK].unflatten(-1, (nb, _ARGMAX_BLOCK)).amax(-1)  # [R, nb]
+    if vocab % _ARGMAX_BLOCK:
+        block_max = torch.cat([block_max, x[:, nb * _ARGMAX_BLOCK :].amax(-1, keepdim=True)], -1)
+    first = block_max.argmax(-1, keepdim=True)  # [R, 1] the first block holding the max
+    # Columns of that block [R, B]; the short tail block repeats its last column, which
+    # cannot come before the real one.
+    cols = (first * _ARGMAX_BLOCK + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(
+        max=vocab - 1
+    )
+    return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True))[:, 0]
+
+
+def _has_filter(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def _row_seed(seed: int, output_index: int) -> int:
+    """A 64-bit generator seed from (seed, output_index) only (splitmix64 mixing)."""
+    return _mix64(_mix64(seed & _MASK64) ^ output_index)
+
+
+def _mix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
