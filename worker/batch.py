@@ -100,10 +100,11 @@ def read_items(lines: Iterable[str], engine: LLMEngine) -> list[BatchItem]:
             if obj.get("method", "POST") != "POST":
                 raise ValueError(f"method must be POST, got {obj.get('method')!r}")
             item.url = obj.get("url", "")
-            item.parsed = parse_body(
+            parsed = parse_body(
                 item.url, obj.get("body"), engine.tokenizer, engine.info.max_model_len
             )
-            engine.validate(item.parsed.prompt_token_ids, item.parsed.params)
+            engine.validate(parsed.prompt_token_ids, parsed.params)
+            item.parsed = parsed
         except ValueError as e:
             item.error = f"line {no}: {e}"
     seen: set[str] = set()
@@ -125,7 +126,7 @@ def run_items(
     start = time.time()
     by_id: dict[str, BatchItem] = {}
     for item in items:
-        if item.parsed is None:
+        if item.parsed is None or item.error is not None:
             continue
         engine.add_request(
             item.request_id,

@@ -134,3 +134,5 @@ def run_batch(input_path: Path, output_path: Path, show: bool, progress: bool, *
     click.echo(summary.table(), err=True)
     if str(output_path) != "-":
         click.echo(f"results: {output_path}", err=True)
+if __name__ == "__main__":
+    main()

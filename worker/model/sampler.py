@@ -33,8 +33,10 @@ from worker.request import SamplingParams
 
 # Candidate widths tried, in order, for rows with top_k / top_p / min_p; then a full sort.
 _CANDIDATE_WIDTHS = (64, 1024)
-# Block size of the two-level argmax (a plain argmax is several times slower on CPU).
+# Block sizes for the two-level argmax (several times faster than torch.argmax on CPU)
+# and for narrowing the candidate search to the blocks with the highest maxima.
 _ARGMAX_BLOCK = 128
+_CANDIDATE_BLOCK = 32
 _MASK64 = (1 << 64) - 1
 
 
@@ -92,65 +94,54 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
 
         x = _penalized(logits, rows)  # [N, V] float32; `logits` itself if nothing changed
-        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if greedy:
-            g = _index(greedy, logits.device)
-            tokens[g] = _argmax(x if len(greedy) == n else x.index_select(0, g))
-        if rand:
-            r = _index(rand, logits.device)
-            # [R, V], a tensor of our own: divided by temperature in place.
-            xr = x if len(rand) == n and x is not logits else x.index_select(0, r)
-            temps = [rows[i].params.temperature for i in rand]
-            xr.div_(torch.tensor(temps, device=xr.device)[:, None])
-            tokens[r] = self._sample(xr, [rows[i] for i in rand])
+        greedy: list[int] = []
+        plain: list[int] = []  # random rows without top_k / top_p / min_p
+        filtered: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            (greedy if p.greedy else filtered if _filters(p, vocab) else plain).append(i)
+        tokens = torch.empty(n, dtype=torch.int64, device=x.device)
+        for ids, pick in ((greedy, None), (plain, self._race_full), (filtered, self._race_filtered)):
+            if not ids:
+                continue
+            idx = _index(ids, x.device)
+            xs = x if len(ids) == n else x.index_select(0, idx)  # [n_ids, V], read only
+            tokens[idx] = _argmax(xs) if pick is None else pick(xs, [rows[i] for i in ids])
         return _output(logits, rows, tokens)
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Token ids [R] for temperature-scaled logits x [R, V]."""
-        vocab = x.shape[1]
-        filtered = [j for j, r in enumerate(rows) if _has_filter(r.params, vocab)]
-        plain = [j for j, r in enumerate(rows) if not _has_filter(r.params, vocab)]
-        if not filtered:
-            return self._race_full(x, rows)
-        if not plain:
-            return self._race_filtered(x, rows)
-        out = torch.empty(len(rows), dtype=torch.int64, device=x.device)
-        p, f = _index(plain, x.device), _index(filtered, x.device)
-        out[p] = self._race_full(x.index_select(0, p), [rows[j] for j in plain])
-        out[f] = self._race_filtered(x.index_select(0, f), [rows[j] for j in filtered])
-        return out
-
     def _race_full(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The race over the whole vocabulary: x [R, V] -> token ids [R]."""
-        q = (x - x.amax(-1, keepdim=True)).exp_()  # [R, V] unnormalised probabilities
+        """The race over the whole vocabulary: logits x [R, V] -> token ids [R]."""
+        inv_t = _inverse_temperatures(rows, x.device)  # [R, 1]
+        # [R, V] unnormalised probabilities of x / T; the race ignores the normaliser.
+        q = (x - x.amax(-1, keepdim=True)).mul_(inv_t).exp_()
         return _argmax(q.div_(self._race_times(rows, x.shape[1], x.device)))
 
     def _race_filtered(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """top_k, top_p, min_p and the race among candidates: x [R, V] -> token ids [R]."""
+        """top_k, top_p, min_p and the race among candidates: logits x [R, V] -> token ids [R]."""
         vocab, device = x.shape[1], x.device
         ps = [r.params for r in rows]
+        inv_t = _inverse_temperatures(rows, device)  # [R, 1]
         top_k = torch.tensor([p.top_k if p.top_k < vocab else 0 for p in ps], device=device)
         top_p = torch.tensor([p.top_p for p in ps], device=device)
         log_min_p = torch.tensor(
             [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps], device=device
         )
-        # log of the softmax normaliser of the whole row; needed by top_p rows without top_k.
-        lse = torch.logsumexp(x, -1) if any(p.top_p < 1 for p in ps) else x.new_zeros(len(ps))
+        # log of the softmax normaliser of x / T [R]; needed by top_p rows without top_k.
+        if any(p.top_p < 1 for p in ps):
+            m = x.amax(-1, keepdim=True)  # [R, 1]
+            lse = (m * inv_t)[:, 0] + (x - m).mul_(inv_t).exp_().sum(-1).log_()
+        else:
+            lse = x.new_zeros(len(ps))
 
         out = torch.empty(len(rows), dtype=torch.int64, device=device)
         pending = torch.arange(len(rows), device=device)
         for width in (*(w for w in _CANDIDATE_WIDTHS if w < vocab), vocab):
             ids = pending.tolist()  # the rows still to settle (a host sync, once per width)
             xs = x if len(ids) == len(rows) else x.index_select(0, pending)
-            if width < vocab:
-                vals, cols = xs.topk(width, -1)  # [P, C] best first
-            else:
-                vals, cols = xs.sort(-1, descending=True)
+            vals, cols = _top_candidates(xs, width)  # [P, C] best first
             times = self._race_times([rows[i] for i in ids], vocab, device, cols)
             token, done = _race_candidates(
-                vals,
+                vals.mul_(inv_t[pending]),
                 cols,
                 times,
                 vocab,
@@ -338,22 +329,49 @@ def _output(
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) for x [R, V] (first index of the max), via block maxima."""
     vocab = x.shape[1]
-    nb = vocab // _ARGMAX_BLOCK
-    if nb < 2:
+    if vocab < 2 * _ARGMAX_BLOCK:
         return x.argmax(-1)
-    block_max = x[:, : nb * _ARGMAX_BLOCK].unflatten(-1, (nb, _ARGMAX_BLOCK)).amax(-1)  # [R, nb]
-    if vocab % _ARGMAX_BLOCK:
-        block_max = torch.cat([block_max, x[:, nb * _ARGMAX_BLOCK :].amax(-1, keepdim=True)], -1)
-    first = block_max.argmax(-1, keepdim=True)  # [R, 1] the first block holding the max
+    first = _block_max(x, _ARGMAX_BLOCK).argmax(-1, keepdim=True)  # [R, 1] first block with the max
     # Columns of that block [R, B]; the short tail block repeats its last column, which
     # cannot come before the real one.
-    cols = (first * _ARGMAX_BLOCK + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(
-        max=vocab - 1
-    )
+    cols = (first * _ARGMAX_BLOCK + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(max=vocab - 1)
     return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True))[:, 0]
 
 
-def _has_filter(p: SamplingParams, vocab: int) -> bool:
+def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` largest entries of each row of x [R, V], best first: values, columns [R, width]."""
+    vocab = x.shape[1]
+    if width >= vocab:
+        return x.sort(-1, descending=True)
+    if 4 * width * _CANDIDATE_BLOCK > vocab:
+        return x.topk(width, -1)
+    # The best `width` entries lie in the `width` blocks with the highest maxima (a block
+    # left out has a max no better than every chosen block's), so topk only scans those.
+    blocks = _block_max(x, _CANDIDATE_BLOCK).topk(width, -1, sorted=False).indices  # [R, width]
+    cols = blocks[:, :, None] * _CANDIDATE_BLOCK + torch.arange(_CANDIDATE_BLOCK, device=x.device)
+    cols = cols.flatten(1)  # [R, width * B]
+    padding = cols >= vocab  # past the end of a short tail block
+    cols.clamp_(max=vocab - 1)
+    vals = x.gather(1, cols).masked_fill_(padding, -math.inf)
+    best = vals.topk(width, -1)
+    return best.values, cols.gather(1, best.indices)
+
+
+def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Maxima of consecutive blocks of `block` columns of x [R, V]: [R, ceil(V / block)]."""
+    vocab = x.shape[1]
+    nb = vocab // block
+    out = x[:, : nb * block].unflatten(-1, (nb, block)).amax(-1)
+    if vocab % block:
+        out = torch.cat([out, x[:, nb * block :].amax(-1, keepdim=True)], -1)
+    return out
+
+
+def _inverse_temperatures(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    return torch.tensor([1.0 / r.params.temperature for r in rows], device=device)[:, None]
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 

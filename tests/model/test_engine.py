@@ -1,0 +1,178 @@
+"""The engine on a tiny random model: batching must never change what a request gets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.model.loader import load_model
+from worker.request import FinishReason, SamplingParams
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    path = tiny_model_dir("smollm2")
+    return load_model(str(path))
+
+
+def make_engine(tiny, **kw) -> LLMEngine:
+    cfg = dict(block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=256)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(model=str(tiny.path), **cfg), loaded=tiny)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lens]
+
+
+def params(n: int, seed: int = 0) -> list[SamplingParams]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return [
+        SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
+        for m in torch.randint(1, 24, (n,), generator=g).tolist()
+    ]
+
+
+def one_at_a_time(tiny, ps, sps) -> list[list[int]]:
+    eng = make_engine(tiny)
+    return [eng.generate([p], sp)[0].token_ids for p, sp in zip(ps, sps, strict=True)]
+
+
+def test_concurrent_equals_sequential(tiny) -> None:
+    ps, sps = prompts(12), params(12)
+    alone = one_at_a_time(tiny, ps, sps)
+    eng = make_engine(tiny)
+    together = [o.token_ids for o in eng.generate(ps, sps)]
+    assert together == alone
+    assert [len(t) for t in together] == [sp.max_tokens for sp in sps]
+    assert max(s.batch_size for s in eng.recent_stats) > 1  # they really shared steps
+
+
+def test_identical_under_preemption(tiny) -> None:
+    ps, sps = prompts(10, seed=3), params(10, seed=3)
+    alone = one_at_a_time(tiny, ps, sps)
+    # 24 blocks of 4 tokens: far too few for ten growing sequences at once.
+    eng = make_engine(tiny, num_kv_blocks=24)
+    outs = eng.generate(ps, sps)
+    assert [o.token_ids for o in outs] == alone
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(o.timing.preemptions for o in outs) == eng.scheduler.num_preemptions
+    assert eng.scheduler.kv.num_free_blocks == 24  # nothing leaked
+
+
+def test_identical_under_chunked_prefill(tiny) -> None:
+    ps, sps = prompts(6, seed=5, lo=30, hi=60), params(6, seed=5)
+    alone = one_at_a_time(tiny, ps, sps)
+    eng = make_engine(tiny, max_num_batched_tokens=16)
+    outs = eng.generate(ps, sps)
+    assert [o.token_ids for o in outs] == alone
+    stats = list(eng.recent_stats)
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= 16 for s in stats)
+    # prefills were split and shared steps with decodes
+    assert any(s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in stats)
+
+
+def test_prefix_cache_reuse_same_output(tiny) -> None:
+    shared = prompts(1, seed=9, lo=40, hi=41)[0]
+    ps = [shared + [100 + i] for i in range(4)]
+    sps = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
+    alone = one_at_a_time(tiny, ps, sps)
+    eng = make_engine(tiny)
+    first = eng.generate(ps[:1], sps[0])[0]
+    rest = eng.generate(ps[1:], sps[0])
+    assert [first.token_ids] + [o.token_ids for o in rest] == alone
+    assert first.num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 40 for o in rest)  # 10 full blocks of the shared 41
+    assert eng.scheduler.kv.prefix_hit_rate > 0.5
+
+
+def test_seeded_sampling_independent_of_batch(tiny) -> None:
+    p = prompts(1, seed=11)[0]
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = make_engine(tiny).generate([p], sp)[0].token_ids
+    others = prompts(5, seed=12)
+    other_sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    outs = make_engine(tiny).generate(
+        others[:2] + [p] + others[2:], [other_sp] * 2 + [sp] + [other_sp] * 3
+    )
+    assert outs[2].token_ids == alone
+    different_seed = make_engine(tiny).generate(
+        [p], SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    )
+    assert different_seed[0].token_ids != alone
+
+
+def test_stream_deltas_and_stop_string(tiny) -> None:
+    eng = make_engine(tiny)
+    p = prompts(1, seed=13)[0]
+    full = eng.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]  # a stop string from the middle of the greedy text
+    eng.add_request(
+        "s", p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=(stop,))
+    )
+    deltas, final = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            deltas.append(out.delta_text)
+            if out.finished:
+                final = out
+    assert final is not None
+    assert final.finish_reason == FinishReason.STOP and final.stop_reason == stop
+    assert final.text == full.text[: full.text.find(stop)]
+    assert "".join(deltas) == final.text
+    assert eng.scheduler.kv.num_free_blocks == 256
+
+
+def test_abort_and_deadline(tiny) -> None:
+    eng = make_engine(tiny)
+    ps = prompts(3, seed=17)
+    sp = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    eng.add_request("run", ps[0], sp)
+    eng.step()
+    eng.step()
+    eng.add_request("late", ps[1], sp, deadline=time.time() - 1)  # already past
+    eng.add_request("soon", ps[2], sp, deadline=time.time() + 0.3)
+    outs = {o.request_id: o for o in eng.step() if o.finished}
+    assert outs["late"].finish_reason == FinishReason.DEADLINE
+    assert outs["late"].token_ids == []
+    aborted = eng.abort(["run"])
+    assert aborted[0].finish_reason == FinishReason.ABORT and aborted[0].finished
+    time.sleep(0.35)
+    outs = {o.request_id: o for o in eng.step() if o.finished}
+    assert outs["soon"].finish_reason == FinishReason.DEADLINE
+    assert not eng.has_unfinished()
+    assert eng.scheduler.kv.num_free_blocks == 256
+
+
+def test_rejects_what_cannot_fit(tiny) -> None:
+    eng = make_engine(tiny, num_kv_blocks=8)  # 32 tokens in all
+    with pytest.raises(ValueError, match="at most 31 tokens"):
+        eng.add_request("big", list(range(3, 40)), SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request("bad", [VOCAB + 5], SamplingParams())
+    # A request that fits but would outgrow the cache ends with 'length', never hangs.
+    out = eng.generate(
+        [list(range(3, 20))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    )[0]
+    assert out.finish_reason == FinishReason.LENGTH
+    assert out.num_prompt_tokens + len(out.token_ids) == 32
+
+
+def test_static_mode_same_tokens_more_steps(tiny) -> None:
+    ps, sps = prompts(8, seed=21), params(8, seed=21)
+    cont = make_engine(tiny, max_num_seqs=4)
+    stat = make_engine(tiny, max_num_seqs=4, scheduling="static")
+    a = [o.token_ids for o in cont.generate(ps, sps)]
+    b = [o.token_ids for o in stat.generate(ps, sps)]
+    assert a == b
+    # Request-level batching waits for the longest member: more steps for the same work.
+    assert len(stat.recent_stats) > len(cont.recent_stats)
