@@ -261,6 +261,7 @@ class Request:
         "priority",
         "request_id",
         "sampling_params",
+        "seq",
         "status",
         "timing",
     )
@@ -287,6 +288,8 @@ class Request:
         self.deadline = deadline
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
+        # Order of arrival at the scheduler; breaks ties between equal arrival times.
+        self.seq = 0
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache on the first admission.
         self.num_cached_tokens = -1

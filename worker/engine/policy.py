@@ -7,7 +7,6 @@ orders the waiting queue and picks the preemption victim, nothing else.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -62,7 +61,7 @@ class FCFSPolicy:
         return True
 
     def victim(self, running: Sequence[Request]) -> Request:
-        return max(running, key=lambda r: r.arrival_time)
+        return max(running, key=lambda r: (r.arrival_time, r.seq))
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -83,22 +82,23 @@ class PriorityPolicy:
 
     def __init__(self, aging_s: float = 0.0) -> None:
         self.aging_s = aging_s
-        self._heap: list[tuple[tuple[float, float], int, Request]] = []
-        self._count = itertools.count()
+        self._heap: list[tuple[tuple[float, float, int], int, Request]] = []
         self._removed: set[int] = set()  # id() of requests removed but still in the heap
         self._len = 0
 
-    def key(self, req: Request) -> tuple[float, float]:
+    def key(self, req: Request) -> tuple[float, float, int]:
         if self.aging_s > 0:
-            return (req.priority * self.aging_s + req.arrival_time, 0.0)
-        return (float(req.priority), req.arrival_time)
+            return (req.priority * self.aging_s + req.arrival_time, 0.0, req.seq)
+        return (float(req.priority), req.arrival_time, req.seq)
 
     def add(self, req: Request) -> None:
         self._removed.discard(id(req))
-        heapq.heappush(self._heap, (self.key(req), next(self._count), req))
+        heapq.heappush(self._heap, (self.key(req), req.seq, req))
         self._len += 1
 
-    requeue = add  # the key already puts a preempted request back where it belongs
+    # The key (with the request's original sequence number) already puts a preempted
+    # request back where it belongs: before newer work of its rank.
+    requeue = add
 
     def _prune(self) -> None:
         while self._heap and id(self._heap[0][2]) in self._removed:

@@ -72,10 +72,11 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         self.check_fits(req.num_prompt_tokens)
+        req.seq = next(self._seq)
         self.requests[req.request_id] = req
         self.policy.add(req)
         if req.deadline is not None:
-            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+            heapq.heappush(self._deadlines, (req.deadline, req.seq, req))
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """ValueError unless a prompt this long can ever run (and leave room for a token)."""
@@ -209,6 +210,7 @@ class Scheduler:
                 [token],
                 logprobs=result.logprobs.get(s.request_id),
                 stop_reason=stop_reason,
+                stopped_by_token=status == RequestStatus.FINISHED_STOPPED,
             )
             if status is not None:
                 self._finish(req, status, now)

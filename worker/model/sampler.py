@@ -101,12 +101,13 @@ class Sampler:
             p = r.params
             (greedy if p.greedy else filtered if _filters(p, vocab) else plain).append(i)
         tokens = torch.empty(n, dtype=torch.int64, device=x.device)
-        for ids, pick in ((greedy, None), (plain, self._race_full), (filtered, self._race_filtered)):
+        groups = ((greedy, None), (plain, self._race_full), (filtered, self._race_filtered))
+        for ids, race in groups:
             if not ids:
                 continue
             idx = _index(ids, x.device)
-            xs = x if len(ids) == n else x.index_select(0, idx)  # [n_ids, V], read only
-            tokens[idx] = _argmax(xs) if pick is None else pick(xs, [rows[i] for i in ids])
+            xs = x if len(ids) == n else x.index_select(0, idx)  # [len(ids), V], read only
+            tokens[idx] = _argmax(xs) if race is None else race(xs, [rows[i] for i in ids])
         return _output(logits, rows, tokens)
 
     def _race_full(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -334,12 +335,13 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     first = _block_max(x, _ARGMAX_BLOCK).argmax(-1, keepdim=True)  # [R, 1] first block with the max
     # Columns of that block [R, B]; the short tail block repeats its last column, which
     # cannot come before the real one.
-    cols = (first * _ARGMAX_BLOCK + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(max=vocab - 1)
+    cols = first * _ARGMAX_BLOCK + torch.arange(_ARGMAX_BLOCK, device=x.device)
+    cols.clamp_(max=vocab - 1)
     return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True))[:, 0]
 
 
 def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `width` largest entries of each row of x [R, V], best first: values, columns [R, width]."""
+    """The `width` largest entries of each row of x [R, V], best first: (values, columns)."""
     vocab = x.shape[1]
     if width >= vocab:
         return x.sort(-1, descending=True)
