@@ -134,5 +134,49 @@ def run_batch(input_path: Path, output_path: Path, show: bool, progress: bool, *
     click.echo(summary.table(), err=True)
     if str(output_path) != "-":
         click.echo(f"results: {output_path}", err=True)
+
+
+@main.command("worker")
+@click.option("--amqp-url", default=None, help="RabbitMQ URL (env KVFLOW_AMQP_URL).")
+@click.option("--database-url", default=None, help="Ledger database URL (env KVFLOW_DATABASE_URL).")
+@click.option("--queue", default=None, help="Request queue (env KVFLOW_QUEUE, default kvflow.requests).")
+@click.option("--worker-id", default=None)
+@click.option("--lookahead", type=int, default=None, help="Unstarted messages held beyond the batch (default 2).")
+@click.option("--reserve-blocks", type=int, default=None, help="Free KV blocks kept when pulling (default 4).")
+@click.option("--default-max-tokens", type=int, default=None)
+@click.option("--drain-timeout", "drain_timeout_s", type=float, default=None, help="Seconds to finish running work on shutdown (default 60).")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-host", default=None)
+@click.option("--burst", is_flag=True, default=False, help="Exit once the queue is empty.")
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@engine_options
+def worker_cmd(log_level: str, **kw: Any) -> None:
+    """Serve requests from RabbitMQ with continuous batching; results to replies and the ledger."""
+    import asyncio
+    import logging
+
+    from worker.config import ServiceConfig
+    from worker.ledger.migrate import DatabaseUnavailable, SchemaError
+    from worker.service import Service
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_config = build_engine_config(kw)
+    try:
+        config = ServiceConfig.from_env(**{k: v for k, v in kw.items() if k != "burst"}, burst=kw["burst"] or None)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    try:
+        code = asyncio.run(Service(engine_config, config).run())
+    except (SchemaError, DatabaseUnavailable, ConnectionError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(code)
+
+
+from broker.commands import submit  # noqa: E402
+from worker.ledger.commands import db  # noqa: E402
+
+main.add_command(submit)
+main.add_command(db)
+
 if __name__ == "__main__":
     main()

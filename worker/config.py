@@ -142,3 +142,74 @@ _ENV_FIELDS = {
     "cache_dir": str,
     "num_threads": int,
 }
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The queue worker: where it connects and how it pulls, drains and records."""
+
+    amqp_url: str = "amqp://guest:guest@localhost:5672/"
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    queue: str = "kvflow.requests"
+    worker_id: str | None = None  # default: host:pid:random
+    # Unstarted messages the worker may hold beyond what its batch can take, so a
+    # freed slot is refilled at the next step without a broker round trip.
+    lookahead: int = 2
+    # Pull only while this many KV blocks stay free beyond the waiting prompts.
+    reserve_blocks: int = 4
+    default_max_tokens: int = 256
+    max_message_bytes: int = 1 << 20
+    delivery_limit: int = 5
+    drain_timeout_s: float = 60.0
+    heartbeat_s: float = 2.0
+    poll_max_s: float = 0.05  # longest pause between pulls while the queue is empty
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
+    burst: bool = False  # exit once the queue is empty and nothing is in flight
+
+    def __post_init__(self) -> None:
+        for name in ("lookahead", "reserve_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("default_max_tokens", "max_message_bytes", "delivery_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("drain_timeout_s", "heartbeat_s", "poll_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.queue:
+            raise ValueError("queue must be a non-empty name")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be a TCP port, got {self.metrics_port}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ServiceConfig:
+        """KVFLOW_AMQP_URL, KVFLOW_DATABASE_URL, KVFLOW_QUEUE, ...; explicit overrides win."""
+        env = os.environ if env is None else env
+        fields: dict[str, object] = {}
+        for name, conv in _SERVICE_ENV.items():
+            raw = env.get("KVFLOW_" + name.upper())
+            if raw:
+                try:
+                    fields[name] = conv(raw)
+                except ValueError as e:
+                    raise ValueError(f"KVFLOW_{name.upper()} is not valid: {e}") from e
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+_SERVICE_ENV = {
+    "amqp_url": str,
+    "database_url": str,
+    "queue": str,
+    "worker_id": str,
+    "lookahead": int,
+    "reserve_blocks": int,
+    "default_max_tokens": int,
+    "max_message_bytes": int,
+    "delivery_limit": int,
+    "drain_timeout_s": float,
+    "heartbeat_s": float,
+    "metrics_port": int,
+    "metrics_host": str,
+}

@@ -199,6 +199,10 @@ class RequestTiming:
         first = self.first_token if self.first_token is not None else end
         gaps = sorted(b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False))
         return TimingSummary(
+            arrival_at=self.arrival,
+            admitted_at=self.first_scheduled,
+            first_token_at=self.first_token,
+            finished_at=self.finished,
             queue_s=max(0.0, sched - self.arrival),
             ttft_s=max(0.0, first - self.arrival) if self.first_token is not None else None,
             prefill_s=max(0.0, first - sched) if self.first_token is not None else None,
@@ -214,8 +218,13 @@ class RequestTiming:
 
 @dataclass(frozen=True)
 class TimingSummary:
-    """Per-phase latencies of one request, in seconds (None where the phase never happened)."""
+    """Per-phase latencies of one request, in seconds (None where the phase never happened),
+    and the unix instants they were measured between."""
 
+    arrival_at: float
+    admitted_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
     queue_s: float
     ttft_s: float | None
     prefill_s: float | None

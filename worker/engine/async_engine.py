@@ -152,6 +152,10 @@ class AsyncEngine:
     def is_running(self, request_id: str) -> bool:
         return request_id in self._streams
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests submitted and not yet finished."""
+        return list(self._streams)
+
     @property
     def num_requests(self) -> int:
         return len(self._streams)

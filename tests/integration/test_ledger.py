@@ -1,0 +1,452 @@
+"""The ledger against the real PostgreSQL (and SQLite): migrations, the schema check,
+batching, idempotency, outages and the `kvflow db` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from click.testing import CliRunner
+from sqlalchemy import event, func, select
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from worker.cli import main
+from worker.ledger.migrate import (
+    VERSION_TABLE,
+    SchemaError,
+    check_schema,
+    check_schema_async,
+    current,
+    head_revision,
+    open_engine,
+    redact,
+    upgrade,
+    upgrade_async,
+)
+from worker.ledger.store import (
+    LedgerClosed,
+    LedgerStore,
+    LedgerWriteError,
+    RequestRecord,
+    WorkerRecord,
+)
+from worker.ledger.tables import metadata, requests, workers
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import TcpProxy
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+PASSWORD = "hunter2-secret"  # trust auth accepts any password; it must never be shown
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex
+
+
+def _with_password(url: str) -> str:
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return url
+    return u.set(password=PASSWORD).render_as_string(hide_password=False)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty, unmigrated database: a new PostgreSQL schema or a new SQLite file."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    make: Callable[[], str] = request.getfixturevalue("empty_schema")
+    return make()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated database: the session's PostgreSQL schema or a new SQLite file."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'ledger.db'}"
+        upgrade(url)
+        return url
+    return str(request.getfixturevalue("database_url"))
+
+
+@pytest.fixture
+def commits() -> Iterator[list[int]]:
+    """Counts COMMITs on every engine in the process while the test runs."""
+    seen: list[int] = []
+
+    def on_commit(conn: Connection) -> None:
+        seen.append(1)
+
+    event.listen(Engine, "commit", on_commit)
+    yield seen
+    event.remove(Engine, "commit", on_commit)
+
+
+async def _query(url: str, fn: Callable[[Connection], Any]) -> Any:
+    engine = open_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(fn)
+    finally:
+        await engine.dispose()
+
+
+async def _count(url: str, prefix: str) -> int:
+    stmt = select(func.count()).select_from(requests).where(requests.c.id.startswith(prefix))
+    return int(await _query(url, lambda c: c.execute(stmt).scalar_one()))
+
+
+# -- URLs and migrations ----------------------------------------------------------------
+
+
+def test_redact_hides_the_password() -> None:
+    assert redact("postgresql://u:pw@h:5/db") == "postgresql://u:***@h:5/db"
+    assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert "pw" not in redact("not a url://u:pw@h")
+
+
+def test_migrations_apply_from_scratch_and_are_idempotent(fresh_url: str) -> None:
+    head = head_revision()
+    assert current(fresh_url) is None
+    assert upgrade(fresh_url) == head
+    assert upgrade(fresh_url) == head
+    assert current(fresh_url) == head
+    assert check_schema(fresh_url) == head
+
+
+async def test_migrated_schema_matches_the_tables_module(fresh_url: str) -> None:
+    await upgrade_async(fresh_url)
+
+    def diff(conn: Connection) -> list[Any]:
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return list(compare_metadata(context, metadata))
+
+    assert await _query(fresh_url, diff) == []
+
+
+async def test_unmigrated_database_is_refused_with_the_upgrade_hint(fresh_url: str) -> None:
+    url = _with_password(fresh_url)
+    expected = "is not migrated (at revision none, need 0001): run `kvflow db upgrade`"
+    with pytest.raises(SchemaError, match="kvflow db upgrade") as sync_error:
+        await asyncio.to_thread(check_schema, url)
+    with pytest.raises(SchemaError) as async_error:
+        await check_schema_async(url)
+    with pytest.raises(SchemaError) as open_error:
+        await LedgerStore.open(url)
+    for error in (sync_error, async_error, open_error):
+        assert expected in str(error.value)
+        assert str(error.value).startswith(f"database at {redact(url)} ")
+        assert PASSWORD not in str(error.value)
+
+
+# -- The store --------------------------------------------------------------------------
+
+
+async def test_records_are_written_in_batches(ledger_url: str, commits: list[int]) -> None:
+    prefix = _uid()
+    store = await LedgerStore.open(ledger_url)
+    commits.clear()
+    futures = [
+        store.record(RequestRecord(id=f"{prefix}-{i}", status="completed", output_text=str(i)))
+        for i in range(1000)
+    ]
+    assert store.pending == 1000
+    await asyncio.wait_for(asyncio.gather(*futures), 30)
+    transactions = len(commits)
+    assert store.pending == 0
+    await store.close()
+    assert transactions == store.write_latency.count == 4  # ceil(1000 / 256)
+    assert store.records_written == 1000
+    assert await _count(ledger_url, prefix) == 1000
+
+
+async def test_one_row_per_id_and_terminal_rows_are_final(ledger_url: str) -> None:
+    rid = _uid()
+    done = datetime.now(timezone.utc)
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0) as store:
+        await store.record(RequestRecord(rid, "queued", model="m", prompt="hi", source="queue"))
+        await store.record(RequestRecord(rid, "queued", model="m", prompt="hi", source="queue"))
+        await store.record(RequestRecord(rid, "running", worker_id="w1"))
+        row = await store.get(rid)
+        assert row is not None
+        assert (row["status"], row["model"], row["prompt"], row["worker_id"]) == (
+            "running",
+            "m",
+            "hi",
+            "w1",
+        )
+        await store.record(
+            RequestRecord(
+                rid,
+                "completed",
+                output_text="out",
+                output_token_ids=[5, 6],
+                finish_reason="stop",
+                finished_at=done,
+                metadata={"k": "v"},
+            )
+        )
+        final = await store.get(rid)
+        assert final is not None
+        assert final["status"] == "completed"
+        assert final["output_token_ids"] == [5, 6]
+        assert final["metadata"] == {"k": "v"}
+        assert final["finished_at"] == done
+        assert final["prompt"] == "hi"  # kept: a record changes only the fields it gives
+
+        await store.record(RequestRecord(rid, "running", worker_id="w2"))  # late
+        assert await store.get(rid) == final
+        await store.record(RequestRecord(rid, "failed", error="boom"))  # a second verdict
+        assert {**(await store.get(rid) or {}), "updated_at": None} == {
+            **final,
+            "updated_at": None,
+        }
+        await store.record(RequestRecord(rid, "completed", output_text="again"))  # a repeat
+        repeated = await store.get(rid)
+        assert repeated is not None
+        assert repeated["updated_at"] > final["updated_at"]
+        assert {**repeated, "updated_at": None} == {**final, "updated_at": None}
+    assert await _count(ledger_url, rid) == 1
+
+
+async def test_records_of_one_id_in_one_batch_are_coalesced(
+    ledger_url: str, commits: list[int]
+) -> None:
+    a, b = _uid(), _uid()
+    store = await LedgerStore.open(ledger_url, flush_interval_s=0.5)
+    commits.clear()
+    futures = [
+        store.record(RequestRecord(a, "queued", prompt="p", priority=3)),
+        store.record(RequestRecord(b, "running", worker_id="w")),
+        store.record(RequestRecord(a, "running", worker_id="w", attempts=1)),
+        store.record(RequestRecord(b, "queued", prompt="late")),  # does not move b back
+        store.record(RequestRecord(a, "completed", output_text="x", completion_tokens=1)),
+        store.record(RequestRecord(a, "running", worker_id="late")),  # after the verdict
+    ]
+    await asyncio.gather(*futures)
+    assert len(commits) == 1
+    row_a, row_b = await store.get(a), await store.get(b)
+    await store.close()
+    assert row_a is not None and row_b is not None
+    assert (row_a["status"], row_a["prompt"], row_a["priority"]) == ("completed", "p", 3)
+    assert (row_a["worker_id"], row_a["output_text"], row_a["attempts"]) == ("w", "x", 1)
+    assert (row_b["status"], row_b["prompt"]) == ("running", "late")
+
+
+async def test_a_refused_record_fails_alone(
+    ledger_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefix = _uid()
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0.2) as store:
+        good = [store.record(RequestRecord(f"{prefix}-{i}", "queued")) for i in range(9)]
+        bad = store.record(RequestRecord(f"{prefix}-bad", "queued", metadata={"x": object()}))
+        await asyncio.gather(*good)
+        with pytest.raises(LedgerWriteError, match=f"{prefix}-bad"):
+            await bad
+        assert store.errors == 1
+    assert await _count(ledger_url, prefix) == 9
+    assert "writing them one by one" in caplog.text
+
+
+async def test_mark_received_counts_deliveries_and_returns_final_rows(ledger_url: str) -> None:
+    rid, queued = _uid(), _uid()
+    now = datetime.now(timezone.utc)
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0) as store:
+        assert await store.mark_received(rid, worker_id="w1", received_at=now) is None
+        row = await store.get(rid)
+        assert row is not None
+        assert (row["status"], row["attempts"], row["worker_id"]) == ("running", 1, "w1")
+        assert row["received_at"] == now
+
+        assert await store.mark_received(rid, worker_id="w2") is None
+        row = await store.get(rid)
+        assert row is not None
+        assert (row["attempts"], row["worker_id"], row["received_at"]) == (2, "w2", now)
+
+        await store.record(RequestRecord(rid, "completed", output_text="answer"))
+        final = await store.mark_received(rid, worker_id="w3")
+        assert final is not None
+        assert (final.status, final.output_text, final.attempts) == ("completed", "answer", 2)
+        row = await store.get(rid)
+        assert row is not None
+        assert (row["attempts"], row["worker_id"]) == (2, "w2")
+
+        # a row first written as queued keeps what it had
+        await store.record(RequestRecord(queued, "queued", enqueued_at=now, priority=1))
+        assert await store.mark_received(queued, worker_id="w1") is None
+        row = await store.get(queued)
+        assert row is not None
+        assert (row["status"], row["attempts"], row["enqueued_at"]) == ("running", 1, now)
+
+        with pytest.raises(TypeError):
+            await store.mark_received(rid, status="queued")
+
+
+async def test_mark_received_sees_a_verdict_not_yet_committed(ledger_url: str) -> None:
+    rid = _uid()
+    store = await LedgerStore.open(ledger_url, flush_interval_s=30)
+    future = store.record(RequestRecord(rid, "completed", output_text="soon"))
+    final = await store.mark_received(rid)
+    assert final is not None and final.output_text == "soon"
+    assert not future.done()
+    assert await store.close() == 0  # close flushes without waiting for the interval
+    assert future.done() and future.exception() is None
+    row = await _query(
+        ledger_url, lambda c: c.execute(select(requests).where(requests.c.id == rid)).one()
+    )
+    assert (row.status, row.attempts) == ("completed", 0)
+
+
+async def test_close_flushes_pending_records(ledger_url: str) -> None:
+    prefix = _uid()
+    store = await LedgerStore.open(ledger_url, flush_interval_s=30)
+    futures = [store.record(RequestRecord(f"{prefix}-{i}", "queued")) for i in range(50)]
+    assert await store.close() == 0
+    assert all(f.done() and f.exception() is None for f in futures)
+    assert await _count(ledger_url, prefix) == 50
+    with pytest.raises(RuntimeError, match="closed"):
+        store.record(RequestRecord(_uid(), "queued"))
+
+
+async def test_heartbeat_upserts_one_row_per_worker(ledger_url: str) -> None:
+    wid = f"host:1:{_uid()}"
+    started = datetime.now(timezone.utc) - timedelta(minutes=1)
+    async with await LedgerStore.open(ledger_url) as store:
+        await store.heartbeat(WorkerRecord(wid, "serving", host="h", pid=1, started_at=started))
+        await store.heartbeat(WorkerRecord(wid, "draining", running=3, info={"v": 1}))
+    stmt = select(workers).where(workers.c.id == wid)
+    rows = await _query(ledger_url, lambda c: c.execute(stmt).all())
+    assert len(rows) == 1
+    (row,) = rows
+    assert (row.state, row.running, row.info, row.host) == ("draining", 3, {"v": 1}, None)
+    assert row.started_at.replace(tzinfo=timezone.utc) == started
+
+
+# -- Outages (PostgreSQL through a TCP proxy we can break) --------------------------------
+
+
+async def _proxied_store(
+    database_url: str, make_proxy: Callable[[str, int], Awaitable[TcpProxy]], **kw: Any
+) -> tuple[TcpProxy, str, LedgerStore]:
+    target = make_url(database_url)
+    proxy = await make_proxy(target.host or "127.0.0.1", target.port or 5432)
+    url = target.set(host="127.0.0.1", port=proxy.port, password=PASSWORD)
+    url_text = url.render_as_string(hide_password=False)
+    return proxy, url_text, await LedgerStore.open(url_text, **kw)
+
+
+async def test_records_survive_the_database_going_away(
+    database_url: str,
+    tcp_proxy: Callable[[str, int], Awaitable[TcpProxy]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefix = _uid()
+    proxy, url, store = await _proxied_store(
+        database_url, tcp_proxy, flush_interval_s=0.01, timeout_s=2, retry_max_s=0.2
+    )
+    await store.record(RequestRecord(f"{prefix}-before", "completed"))
+    await proxy.down()
+    futures = [store.record(RequestRecord(f"{prefix}-{i}", "completed")) for i in range(300)]
+    received = asyncio.create_task(store.mark_received(f"{prefix}-received"))
+    await asyncio.sleep(1.0)
+    assert not any(f.done() for f in futures) and not received.done()
+    assert store.pending == 300 and store.errors >= 2
+
+    await proxy.up()
+    await asyncio.wait_for(asyncio.gather(*futures), 20)
+    assert await asyncio.wait_for(received, 20) is None
+    assert store.pending == 0
+    assert await store.close() == 0
+    assert await _count(database_url, prefix) == 302
+    outages = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(outages) == 1  # logged once per outage, not once per retry
+    assert PASSWORD not in caplog.text and redact(url) in caplog.text
+
+
+async def test_a_stalled_database_delays_but_loses_nothing(
+    database_url: str, tcp_proxy: Callable[[str, int], Awaitable[TcpProxy]]
+) -> None:
+    prefix = _uid()
+    proxy, _, store = await _proxied_store(
+        database_url, tcp_proxy, flush_interval_s=0.01, timeout_s=0.5, retry_max_s=0.2
+    )
+    proxy.pause()
+    futures = [store.record(RequestRecord(f"{prefix}-{i}", "queued")) for i in range(100)]
+    await asyncio.sleep(1.5)
+    assert not any(f.done() for f in futures)
+    assert store.errors >= 1  # the statement timed out and is being retried
+    proxy.resume()
+    await asyncio.wait_for(asyncio.gather(*futures), 20)
+    assert await store.close() == 0
+    assert await _count(database_url, prefix) == 100
+
+
+async def test_close_gives_up_after_its_timeout_while_the_database_is_down(
+    database_url: str, tcp_proxy: Callable[[str, int], Awaitable[TcpProxy]]
+) -> None:
+    proxy, _, store = await _proxied_store(database_url, tcp_proxy, retry_max_s=0.1)
+    await proxy.down()
+    futures = [store.record(RequestRecord(_uid(), "queued")) for _ in range(20)]
+    assert await store.close(timeout_s=0.5) == 20
+    for f in futures:
+        with pytest.raises(LedgerClosed):
+            f.result()
+
+
+# -- The `kvflow db` commands ---------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cli_upgrade_and_current(empty_schema: Callable[[], str]) -> None:
+    url = _with_password(empty_schema())
+    runner = CliRunner()
+    result = runner.invoke(main, ["db", "current", "--database-url", url])
+    assert result.exit_code == 1, result.output
+    assert "revision none (head is 0001)" in result.output
+
+    result = runner.invoke(main, ["db", "upgrade", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    assert "upgraded from empty to revision 0001" in result.output
+    result = runner.invoke(main, ["db", "upgrade"], env={"KVFLOW_DATABASE_URL": url})
+    assert result.exit_code == 0, result.output
+    assert "up to date (revision 0001)" in result.output
+
+    result = runner.invoke(main, ["db", "current", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    assert f"database at {redact(url)}: revision 0001 (head)" in result.output
+    assert PASSWORD not in result.output
+
+
+@pytest.mark.parametrize("command", ["upgrade", "current"])
+def test_cli_reports_an_unreachable_database(command: str) -> None:
+    port = _free_port()
+    url = f"postgresql://postgres:{PASSWORD}@127.0.0.1:{port}/postgres"
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "db", command, "--database-url", url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode != 0
+    expected = f"cannot reach the database at postgresql://postgres:***@127.0.0.1:{port}/postgres: connection refused"
+    assert expected in proc.stderr
+    assert PASSWORD not in proc.stdout + proc.stderr

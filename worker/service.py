@@ -1,0 +1,325 @@
+"""`kvflow worker`: RabbitMQ in, continuous batch, replies and the ledger out.
+
+Flow control: the worker pulls (basic.get) one message at a time, and only while the
+engine can place more work: a free sequence slot (running + waiting + being admitted
+below max_num_seqs + lookahead) and KV room for the waiting prompts plus a reserve.
+So it never sits on a backlog another worker could serve, and a pulled request joins
+the running batch at the next step boundary.
+
+Shutdown (SIGTERM/SIGINT) drains: no more pulls, running requests finish up to the
+drain timeout, what is left is requeued (never dead-lettered), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+
+from broker.publisher import ReplyPublisher
+from broker.topology import Topology, declare, redact_url
+from worker.config import EngineConfig, ServiceConfig
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.outputs import StepStats
+from worker.handler import HandlerEvents, RequestHandler
+from worker.ledger.store import LedgerStore, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    STOPPED = "stopped"
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Service:
+    """One worker process: owns the engine, the broker connection and the ledger store."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServiceConfig,
+        *,
+        llm: LLMEngine | None = None,
+        events: HandlerEvents | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.worker_id = config.worker_id or default_worker_id()
+        self.topology = Topology(queue=config.queue, delivery_limit=config.delivery_limit)
+        self.state = WorkerState.STARTING
+        self.started_at = time.time()
+        self._llm = llm
+        self._events = events or HandlerEvents()
+        self._tasks: dict[asyncio.Task[None], AbstractIncomingMessage] = {}
+        self._admitting = 0
+        self._capacity_changed = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._resume = asyncio.Event()
+        self._tok_window: deque[tuple[float, int]] = deque(maxlen=256)
+        self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self.engine: AsyncEngine | None = None
+        self.handler: RequestHandler | None = None
+        self.ledger: LedgerStore | None = None
+        self.connection: AbstractRobustConnection | None = None
+        self.queue: AbstractQueue | None = None
+        self.pulled = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        cfg = self.config
+        self.ledger = await LedgerStore.open(cfg.database_url)
+        try:
+            self.connection = await aio_pika.connect_robust(
+                cfg.amqp_url,
+                client_properties={"connection_name": f"kvflow-worker {self.worker_id}"},
+            )
+        except Exception as e:
+            await self.ledger.close()
+            raise ConnectionError(
+                f"cannot reach RabbitMQ at {redact_url(cfg.amqp_url)}: {e}"
+            ) from None
+        try:
+            consume = await self.connection.channel(publisher_confirms=False)
+            publish = await self.connection.channel(publisher_confirms=True)
+            declared = await declare(publish, self.topology)
+            self.queue = await consume.get_queue(declared.queue.name, ensure=False)
+            llm = self._llm or await asyncio.to_thread(LLMEngine, self.engine_config)
+            self.engine = AsyncEngine(llm)
+            self.engine.add_stats_listener(self._on_step)
+            self.handler = RequestHandler(
+                self.engine,
+                llm.tokenizer,
+                self.ledger,
+                ReplyPublisher(publish),
+                cfg,
+                self.worker_id,
+                llm.info.model_name,
+                self._events,
+            )
+            await self.engine.start()
+            self._install_signals()
+            self.state = WorkerState.SERVING
+            self._resume.set()
+            log.info(
+                "worker %s serving %s (%s on %s): broker %s",
+                self.worker_id,
+                cfg.queue,
+                llm.info.model_name,
+                llm.info.device,
+                redact_url(cfg.amqp_url),
+            )
+            beat = asyncio.create_task(self._heartbeats(), name="heartbeat")
+            intake = asyncio.create_task(self._intake(), name="intake")
+            await self._stop.wait()
+            intake.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await intake
+            await self.drain(cfg.drain_timeout_s)
+            self.state = WorkerState.STOPPED
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await self._heartbeat_once()
+            return 0
+        finally:
+            if self.engine is not None:
+                await self.engine.stop()
+            if self.ledger is not None:
+                left = await self.ledger.close()
+                if left:
+                    log.error("%d ledger writes were not committed at exit", left)
+            await self.connection.close()
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (what SIGTERM does)."""
+        if not self._stop.is_set():
+            log.info("worker %s: shutting down, draining", self.worker_id)
+            self._stop.set()
+            self._capacity_changed.set()
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+
+    # -- pulling work ----------------------------------------------------------------------
+
+    def can_pull(self) -> bool:
+        """True when one more request could be placed in the batch (or the look-ahead)."""
+        assert self.engine is not None
+        cap = self.engine.capacity()
+        held = cap.running + cap.waiting + self._admitting
+        if held >= self.engine_config.max_num_seqs + self.config.lookahead:
+            return False
+        return cap.free_tokens >= self.config.reserve_blocks * cap.block_size
+
+    async def _intake(self) -> None:
+        assert self.queue is not None
+        pause = 0.002
+        while not self._stop.is_set():
+            await self._resume.wait()
+            if not self.can_pull():
+                self._capacity_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._capacity_changed.wait(), 0.5)
+                continue
+            try:
+                message = await self.queue.get(no_ack=False, fail=False, timeout=10)
+            except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as e:
+                log.warning("pull failed (%s); retrying", e)
+                await asyncio.sleep(0.5)
+                continue
+            if message is None:
+                if self.config.burst and not self._tasks:
+                    log.info("queue empty and nothing in flight: burst mode ends")
+                    self.request_stop()
+                    return
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, self.config.poll_max_s)
+                continue
+            pause = 0.002
+            self.pulled += 1
+            self._spawn(message)
+
+    def _spawn(self, message: AbstractIncomingMessage) -> None:
+        assert self.handler is not None
+        # The request counts as "being admitted" until the engine has it (or it ended
+        # without running): only then does the engine's capacity figure include it.
+        self._admitting += 1
+        pending = True
+
+        def admitted() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                self._admitting -= 1
+                self._capacity_changed.set()
+
+        async def run() -> None:
+            try:
+                await self.handler.handle(message, admitted)  # type: ignore[union-attr]
+            finally:
+                admitted()
+
+        task = asyncio.create_task(run())
+        self._tasks[task] = message
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request task failed", exc_info=task.exception())
+
+    def _on_step(self, stats: StepStats) -> None:
+        self._tok_window.append(
+            (time.time(), stats.num_decode_tokens + (1 if stats.num_prefill_tokens else 0))
+        )
+        self._capacity_changed.set()
+        for fn in self.stats_listeners:
+            fn(stats)
+
+    # -- drain and resume --------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop pulling new messages (running requests go on)."""
+        if self.state == WorkerState.SERVING:
+            self.state = WorkerState.DRAINING
+        self._resume.clear()
+
+    def resume(self) -> None:
+        if self.state in (WorkerState.DRAINING, WorkerState.DRAINED):
+            self.state = WorkerState.SERVING
+        self._resume.set()
+        self._capacity_changed.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop pulling, let running requests finish for up to timeout_s, requeue the rest.
+
+        Returns how many requests were requeued.
+        """
+        self.pause()
+        assert self.engine is not None and self.handler is not None
+        tasks = set(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        left = [t for t in self._tasks if not t.done()]
+        if left:
+            ids = self.engine.request_ids()
+            log.warning("drain timeout: requeueing %d unfinished requests", len(ids))
+            self.handler.requeue_ids.update(ids)
+            for rid in ids:
+                self.engine.abort(rid)
+            await asyncio.wait(left, timeout=30)
+        self.state = WorkerState.DRAINED
+        return len(left)
+
+    # -- heartbeats ----------------------------------------------------------------------------
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        now = time.time()
+        recent = [(t, n) for t, n in self._tok_window if now - t <= window_s]
+        if len(recent) < 2:
+            return 0.0
+        span = max(now - recent[0][0], 1e-6)
+        return sum(n for _, n in recent) / span
+
+    def worker_record(self) -> WorkerRecord:
+        assert self.engine is not None
+        cap = self.engine.capacity()
+        info = self.engine.engine.info
+        return WorkerRecord(
+            id=self.worker_id,
+            state=self.state.value if self.state != WorkerState.STARTING else "serving",
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=info.device,
+            model=info.model_name,
+            queue=self.config.queue,
+            started_at=datetime.fromtimestamp(self.started_at, timezone.utc),
+            running=cap.running,
+            waiting=cap.waiting,
+            kv_usage=cap.kv_usage,
+            tokens_per_s=self.tokens_per_s(),
+            info={"held": len(self._tasks), "max_num_seqs": self.engine_config.max_num_seqs},
+        )
+
+    async def _heartbeat_once(self) -> None:
+        if self.ledger is None or self.engine is None:
+            return
+        try:
+            await self.ledger.heartbeat(self.worker_record())
+        except Exception as e:  # a missed heartbeat is harmless
+            log.debug("heartbeat failed: %s", e)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._heartbeat_once()
+            await asyncio.sleep(self.config.heartbeat_s)
