@@ -139,16 +139,35 @@ def run_batch(input_path: Path, output_path: Path, show: bool, progress: bool, *
 @main.command("worker")
 @click.option("--amqp-url", default=None, help="RabbitMQ URL (env KVFLOW_AMQP_URL).")
 @click.option("--database-url", default=None, help="Ledger database URL (env KVFLOW_DATABASE_URL).")
-@click.option("--queue", default=None, help="Request queue (env KVFLOW_QUEUE, default kvflow.requests).")
+@click.option(
+    "--queue", default=None, help="Request queue (env KVFLOW_QUEUE, default kvflow.requests)."
+)
 @click.option("--worker-id", default=None)
-@click.option("--lookahead", type=int, default=None, help="Unstarted messages held beyond the batch (default 2).")
-@click.option("--reserve-blocks", type=int, default=None, help="Free KV blocks kept when pulling (default 4).")
+@click.option(
+    "--lookahead",
+    type=int,
+    default=None,
+    help="Unstarted messages held beyond the batch (default 2).",
+)
+@click.option(
+    "--reserve-blocks", type=int, default=None, help="Free KV blocks kept when pulling (default 4)."
+)
 @click.option("--default-max-tokens", type=int, default=None)
-@click.option("--drain-timeout", "drain_timeout_s", type=float, default=None, help="Seconds to finish running work on shutdown (default 60).")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    type=float,
+    default=None,
+    help="Seconds to finish running work on shutdown (default 60).",
+)
+@click.option(
+    "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
+)
 @click.option("--metrics-host", default=None)
 @click.option("--burst", is_flag=True, default=False, help="Exit once the queue is empty.")
-@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@click.option(
+    "--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"])
+)
 @engine_options
 def worker_cmd(log_level: str, **kw: Any) -> None:
     """Serve requests from RabbitMQ with continuous batching; results to replies and the ledger."""
@@ -162,7 +181,9 @@ def worker_cmd(log_level: str, **kw: Any) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_config = build_engine_config(kw)
     try:
-        config = ServiceConfig.from_env(**{k: v for k, v in kw.items() if k != "burst"}, burst=kw["burst"] or None)
+        config = ServiceConfig.from_env(
+            **{k: v for k, v in kw.items() if k != "burst"}, burst=kw["burst"] or None
+        )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     try:

@@ -7,7 +7,7 @@ context length) live in `worker.engine.model_runner.RuntimeInfo`, never written 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -124,7 +124,7 @@ def _bool(raw: str) -> bool:
     raise ValueError("expected true or false")
 
 
-_ENV_FIELDS = {
+_ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "model": str,
     "dtype": str,
     "device": str,
@@ -198,7 +198,7 @@ class ServiceConfig:
         return cls(**fields)  # type: ignore[arg-type]
 
 
-_SERVICE_ENV = {
+_SERVICE_ENV: dict[str, Callable[[str], object]] = {
     "amqp_url": str,
     "database_url": str,
     "queue": str,

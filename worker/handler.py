@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -111,7 +111,7 @@ class RequestHandler:
                 correlation_id=message.correlation_id,
                 reply_to=message.reply_to,
                 timestamp=message.timestamp,
-                expiration=message.expiration,
+                expiration=_seconds(message.expiration),
                 headers=message.headers,
                 redelivered=bool(message.redelivered),
                 max_message_bytes=self.config.max_message_bytes,
@@ -276,7 +276,7 @@ class RequestHandler:
             itl_mean_s=timing["itl_mean_s"],
             itl_p50_s=timing["itl_p50_s"],
             itl_p99_s=timing["itl_p99_s"],
-            preemptions=timing["preemptions"],
+            preemptions=int(timing["preemptions"] or 0),
         )
         committed = self.ledger.record(record)
         if self.events.on_finished:
@@ -466,6 +466,17 @@ class RequestHandler:
     def _outcome(self, what: str) -> None:
         if self.events.on_outcome:
             self.events.on_outcome(what)
+
+
+def _seconds(expiration: object) -> float | None:
+    """aio-pika gives the AMQP expiration as seconds (number or timedelta)."""
+    if expiration is None:
+        return None
+    if isinstance(expiration, timedelta):
+        return expiration.total_seconds()
+    if isinstance(expiration, (int, float)):
+        return float(expiration)
+    return None
 
 
 def _ts(d: datetime | None) -> float | None:

@@ -158,7 +158,7 @@ def response_body(
     """The chat.completion / text_completion object for a finished request."""
     created = int(time.time())
     n_out = len(out.token_ids)
-    usage = {
+    usage: dict[str, Any] = {
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": n_out,
         "total_tokens": out.num_prompt_tokens + n_out,

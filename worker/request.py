@@ -197,7 +197,10 @@ class RequestTiming:
         )
         sched = self.first_scheduled if self.first_scheduled is not None else end
         first = self.first_token if self.first_token is not None else end
-        gaps = sorted(b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False))
+        in_order = tuple(
+            b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)
+        )
+        gaps = sorted(in_order)
         return TimingSummary(
             arrival_at=self.arrival,
             admitted_at=self.first_scheduled,
@@ -213,6 +216,7 @@ class RequestTiming:
             itl_p99_s=percentile(gaps, 99) if gaps else None,
             itl_max_s=gaps[-1] if gaps else None,
             preemptions=self.preemptions,
+            gaps_s=in_order,
         )
 
 
@@ -235,6 +239,7 @@ class TimingSummary:
     itl_p99_s: float | None
     itl_max_s: float | None
     preemptions: int
+    gaps_s: tuple[float, ...] = ()  # every inter-token gap, in order (for histograms)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

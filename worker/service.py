@@ -32,14 +32,16 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
+from broker.messages import RequestMessage
 from broker.publisher import ReplyPublisher
 from broker.topology import Topology, declare, redact_url
 from worker.config import EngineConfig, ServiceConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.engine import LLMEngine
-from worker.engine.outputs import StepStats
+from worker.engine.outputs import RequestOutput, StepStats
 from worker.handler import HandlerEvents, RequestHandler
 from worker.ledger.store import LedgerStore, WorkerRecord
+from worker.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Service:
         self.started_at = time.time()
         self._llm = llm
         self._events = events or HandlerEvents()
+        self.metrics: Metrics | None = None
         self._tasks: dict[asyncio.Task[None], AbstractIncomingMessage] = {}
         self._admitting = 0
         self._capacity_changed = asyncio.Event()
@@ -110,7 +113,10 @@ class Service:
             publish = await self.connection.channel(publisher_confirms=True)
             declared = await declare(publish, self.topology)
             self.queue = await consume.get_queue(declared.queue.name, ensure=False)
-            llm = self._llm or await asyncio.to_thread(LLMEngine, self.engine_config)
+            llm = self._llm
+            if llm is None:
+                llm = await asyncio.to_thread(LLMEngine, self.engine_config)
+            self._start_metrics(llm.info.model_name)
             self.engine = AsyncEngine(llm)
             self.engine.add_stats_listener(self._on_step)
             self.handler = RequestHandler(
@@ -125,7 +131,7 @@ class Service:
             )
             await self.engine.start()
             self._install_signals()
-            self.state = WorkerState.SERVING
+            self._set_state(WorkerState.SERVING)
             self._resume.set()
             log.info(
                 "worker %s serving %s (%s on %s): broker %s",
@@ -142,7 +148,7 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await intake
             await self.drain(cfg.drain_timeout_s)
-            self.state = WorkerState.STOPPED
+            self._set_state(WorkerState.STOPPED)
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
@@ -156,6 +162,49 @@ class Service:
                 if left:
                     log.error("%d ledger writes were not committed at exit", left)
             await self.connection.close()
+
+    def _start_metrics(self, model: str) -> None:
+        m = self.metrics = Metrics(self.worker_id, model)
+        ledger = self.ledger
+        assert ledger is not None
+        m.watch_ledger(
+            lambda: ledger.pending,
+            lambda: (ledger.write_latency.count, ledger.write_latency.total_s),
+            lambda: ledger.errors,
+        )
+        ev = self._events
+        chained_received, chained_finished, chained_outcome = (
+            ev.on_received,
+            ev.on_finished,
+            ev.on_outcome,
+        )
+
+        def received(message: AbstractIncomingMessage) -> None:
+            m.on_message("received")
+            if message.redelivered:
+                m.on_message("redelivered")
+            if chained_received:
+                chained_received(message)
+
+        def finished(out: RequestOutput, req: RequestMessage) -> None:
+            m.on_finished(out)
+            if chained_finished:
+                chained_finished(out, req)
+
+        def outcome(what: str) -> None:
+            m.on_message(what)
+            if chained_outcome:
+                chained_outcome(what)
+
+        self._events = HandlerEvents(received, finished, outcome)
+        if self.config.metrics_port is not None:
+            m.serve(self.config.metrics_host, self.config.metrics_port)
+            log.info("metrics on %s:%d/metrics", self.config.metrics_host, self.config.metrics_port)
+
+    def _set_state(self, state: WorkerState) -> None:
+        self.state = state
+        if self.metrics is not None:
+            self.metrics.set_state(state.value, tuple(s.value for s in WorkerState))
 
     def request_stop(self) -> None:
         """Begin a graceful shutdown (what SIGTERM does)."""
@@ -225,16 +274,21 @@ class Service:
 
         async def run() -> None:
             try:
-                await self.handler.handle(message, admitted)  # type: ignore[union-attr]
+                assert self.handler is not None
+                await self.handler.handle(message, admitted)
             finally:
                 admitted()
 
         task = asyncio.create_task(run())
         self._tasks[task] = message
         task.add_done_callback(self._task_done)
+        if self.metrics is not None:
+            self.metrics.unacked.set(len(self._tasks))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
+        if self.metrics is not None:
+            self.metrics.unacked.set(len(self._tasks))
         if not task.cancelled() and task.exception() is not None:
             log.error("request task failed", exc_info=task.exception())
 
@@ -243,6 +297,8 @@ class Service:
             (time.time(), stats.num_decode_tokens + (1 if stats.num_prefill_tokens else 0))
         )
         self._capacity_changed.set()
+        if self.metrics is not None:
+            self.metrics.on_step(stats)
         for fn in self.stats_listeners:
             fn(stats)
 
@@ -251,12 +307,12 @@ class Service:
     def pause(self) -> None:
         """Stop pulling new messages (running requests go on)."""
         if self.state == WorkerState.SERVING:
-            self.state = WorkerState.DRAINING
+            self._set_state(WorkerState.DRAINING)
         self._resume.clear()
 
     def resume(self) -> None:
         if self.state in (WorkerState.DRAINING, WorkerState.DRAINED):
-            self.state = WorkerState.SERVING
+            self._set_state(WorkerState.SERVING)
         self._resume.set()
         self._capacity_changed.set()
 
@@ -278,7 +334,7 @@ class Service:
             for rid in ids:
                 self.engine.abort(rid)
             await asyncio.wait(left, timeout=30)
-        self.state = WorkerState.DRAINED
+        self._set_state(WorkerState.DRAINED)
         return len(left)
 
     # -- heartbeats ----------------------------------------------------------------------------

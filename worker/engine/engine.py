@@ -143,9 +143,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         core = list(sched.finished)
         forward_s = sample_s = 0.0
+        sampled = 0
         if not sched.is_empty:
             result = self.runner.execute_model(sched)
             forward_s, sample_s = result.forward_time_s, result.sample_time_s
+            sampled = len(result.sampled)
             core += self.scheduler.update(sched, result)
         outputs, stopped = self.output_processor.process(core, time.time())
         if stopped:
@@ -156,12 +158,16 @@ class LLMEngine:
             batch_size=len(sched.scheduled),
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
+            num_sampled=sampled,
             num_waiting=self.scheduler.num_waiting,
             num_preempted=len(sched.preempted_ids),
             kv_usage=self.scheduler.kv.usage,
             step_time_s=time.perf_counter() - t0,
             forward_time_s=forward_s,
             sample_time_s=sample_s,
+            preemptions_total=self.scheduler.num_preemptions,
+            prefix_queries_total=self.scheduler.kv.prefix_queries,
+            prefix_hits_total=self.scheduler.kv.prefix_hits,
         )
         self.last_stats = stats
         self.recent_stats.append(stats)

@@ -119,12 +119,17 @@ class StepStats:
     batch_size: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_sampled: int  # tokens generated this step
     num_waiting: int
     num_preempted: int
     kv_usage: float
     step_time_s: float  # wall time of the whole step
     forward_time_s: float  # of which the model's forward pass (incl. logits)
     sample_time_s: float  # of which sampling
+    # Running totals since the engine started (metrics take differences).
+    preemptions_total: int = 0
+    prefix_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits_total: int = 0  # of which found
 
     @property
     def overhead_s(self) -> float:

@@ -142,9 +142,10 @@ class Scheduler:
         if not preempted and (not static or not self.running):
             reserved = 0
             while len(self.running) < self.config.max_num_seqs:
-                req = self.policy.peek()
-                if req is None or (budget == 0 and not static):
+                head = self.policy.peek()
+                if head is None or (budget == 0 and not static):
                     break
+                req = head
                 if static:
                     # Request-level batching reserves KV for the whole output up front.
                     need = cdiv(

@@ -47,6 +47,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding, 'rotate half' layout; cos/sin tables in the model dtype."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         # Angles in float32 (exact for the positions used), stored in the model dtype
@@ -60,7 +63,7 @@ class Rotary(nn.Module):
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -77,9 +80,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v projections fused: one matmul instead of three.
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -95,7 +96,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
+        q, k = Rotary.rotate(q, *rope), Rotary.rotate(k, *rope)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.view(T, self.q_size))
 
@@ -140,11 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size)
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(
         self,

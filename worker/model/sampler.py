@@ -3,7 +3,7 @@
 One call per engine step, all rows together:
   1. min_tokens bans and repetition / frequency / presence penalties on a float32 copy
      (only the rows that need them pay for them);
-  2. greedy rows (temperature 0): argmax;
+  2. greedy rows (temperature 0, or below 1e-5): argmax;
   3. random rows: divide by temperature, filter (top_k, then top_p, then min_p), sample;
   4. logprobs of the raw logits for rows that ask, then one device-to-host transfer.
 
@@ -13,11 +13,12 @@ its E from a generator seeded from (seed, output_index) only, drawn over the who
 vocabulary and indexed by token id, so its choice depends on nothing else in the batch
 and repeats after a preemption.
 
-Filtered rows race among their best C candidates (torch.topk) instead of the whole
-vocabulary. Each filter's kept set is a prefix of the best-first order, so when one of
-them provably ends inside the candidates (k <= C, nucleus mass reached, min_p threshold
-above the C-th value) the result is exact; the other rows retry with a wider C and, last,
-a full sort. Ties at the top_k threshold are all kept, as in vLLM.
+Filtered rows race among their best C candidates instead of the whole vocabulary (topk
+over the C blocks of 32 columns with the highest maxima: no full sort). Each filter's
+kept set is a prefix of the best-first order, so when one of them provably ends inside
+the candidates (k < C, nucleus mass reached, min_p threshold above the C-th value) the
+result is exact; the other rows retry with a wider C and, last, a full sort. Ties at the
+top_k threshold are all kept, as in vLLM.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ _CANDIDATE_WIDTHS = (64, 1024)
 # and for narrowing the candidate search to the blocks with the highest maxima.
 _ARGMAX_BLOCK = 128
 _CANDIDATE_BLOCK = 32
+# Temperatures below this sample greedily, as in vLLM: 1 / T would overflow float32.
+_MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -93,21 +96,28 @@ class Sampler:
         if n == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
 
-        x = _penalized(logits, rows)  # [N, V] float32; `logits` itself if nothing changed
         greedy: list[int] = []
         plain: list[int] = []  # random rows without top_k / top_p / min_p
         filtered: list[int] = []
         for i, r in enumerate(rows):
             p = r.params
-            (greedy if p.greedy else filtered if _filters(p, vocab) else plain).append(i)
-        tokens = torch.empty(n, dtype=torch.int64, device=x.device)
+            if p.temperature < _MIN_TEMPERATURE:
+                greedy.append(i)
+            else:
+                (filtered if _filters(p, vocab) else plain).append(i)
+        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         groups = ((greedy, None), (plain, self._race_full), (filtered, self._race_filtered))
         for ids, race in groups:
             if not ids:
                 continue
-            idx = _index(ids, x.device)
-            xs = x if len(ids) == n else x.index_select(0, idx)  # [len(ids), V], read only
-            tokens[idx] = _argmax(xs) if race is None else race(xs, [rows[i] for i in ids])
+            idx = _index(ids, logits.device)
+            group = [rows[i] for i in ids]
+            if len(ids) == n:  # the caller's tensor: copied if anything is to change
+                x = _penalized(logits, group, shared=True)
+            else:
+                x = _penalized(logits.index_select(0, idx), group, shared=False)
+            # x: [len(ids), V] float32, read only from here on.
+            tokens[idx] = _argmax(x) if race is None else race(x, group)
         return _output(logits, rows, tokens)
 
     def _race_full(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -134,26 +144,33 @@ class Sampler:
         else:
             lse = x.new_zeros(len(ps))
 
+        widths = [w for w in _CANDIDATE_WIDTHS if w < vocab]
+        # k + 1 candidates settle a top_k row (its k-th value must beat the last one).
+        k_max = max((p.top_k for p in ps if p.top_k < vocab), default=0)
+        if widths and widths[0] < k_max + 1 < vocab:
+            widths = sorted({*widths, k_max + 1})
+
         out = torch.empty(len(rows), dtype=torch.int64, device=device)
-        pending = torch.arange(len(rows), device=device)
-        for width in (*(w for w in _CANDIDATE_WIDTHS if w < vocab), vocab):
-            ids = pending.tolist()  # the rows still to settle (a host sync, once per width)
-            xs = x if len(ids) == len(rows) else x.index_select(0, pending)
+        ids = list(range(len(rows)))  # the rows still to settle
+        for width in (*widths, vocab):
+            idx = _index(ids, device)
+            xs = x if len(ids) == len(rows) else x.index_select(0, idx)
             vals, cols = _top_candidates(xs, width)  # [P, C] best first
             times = self._race_times([rows[i] for i in ids], vocab, device, cols)
             token, done = _race_candidates(
-                vals.mul_(inv_t[pending]),
+                vals.mul_(inv_t[idx]),
                 cols,
                 times,
                 vocab,
-                top_k[pending],
-                top_p[pending],
-                log_min_p[pending],
-                lse[pending],
+                top_k[idx],
+                top_p[idx],
+                log_min_p[idx],
+                lse[idx],
             )
-            out[pending] = token
-            pending = pending[~done]
-            if pending.numel() == 0:
+            out[idx] = token
+            # One host sync per width; settled rows keep their token.
+            ids = [i for i, d in zip(ids, done.tolist(), strict=True) if not d]
+            if not ids:
                 break
         return out
 
@@ -238,10 +255,11 @@ def _race_candidates(
     return cols.gather(1, score.argmax(-1, keepdim=True))[:, 0], done
 
 
-def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow], shared: bool) -> torch.Tensor:
     """float32 logits [N, V] after min_tokens bans and penalties.
 
-    Returns `logits` itself when it is float32 and nothing changes, else a new tensor.
+    A float32 `logits` is changed in place unless `shared`, then copied only if a row
+    needs a change; with nothing to change it comes back as it is.
     """
     vocab, device = logits.shape[1], logits.device
     ban_rows: list[int] = []
@@ -255,10 +273,12 @@ def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     if not ban_rows and not penalized:
         return logits.float()
-    x = logits.to(torch.float32, copy=True)
+    x = logits.to(torch.float32, copy=shared)
     if ban_rows:
         x[_index(ban_rows, device), _index(ban_cols, device)] = -math.inf
-    if penalized:
+    if len(penalized) == len(rows):
+        x = _apply_penalties(x, list(rows))
+    elif penalized:
         idx = _index(penalized, device)
         x[idx] = _apply_penalties(x.index_select(0, idx), [rows[i] for i in penalized])
     return x
@@ -267,34 +287,39 @@ def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
 def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition, then frequency and presence penalties, as vLLM applies them: x [P, V]."""
     vocab, device = x.shape[1], x.device
+    ps = [r.params for r in rows]
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # [P, 1]
 
-    counts = _token_counts([r.output_token_ids for r in rows], vocab, device)  # [P, V]
+    # Occurrences of each token in each row's output [P, V] (float sums of ones: exact).
+    keys = _flat_keys([r.output_token_ids for r in rows], vocab, device)
+    counts = x.new_zeros(len(rows) * vocab).index_add_(0, keys, x.new_ones(keys.shape))
+    counts = counts.view(len(rows), vocab)
     present = counts.clamp(max=1)  # [P, V] 1.0 where the token was generated
-    reps = [r.params.repetition_penalty for r in rows]
-    if any(rep != 1.0 for rep in reps):
+    if any(p.repetition_penalty != 1.0 for p in ps):
         prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in rows]
-        seen = _token_counts(prompts, vocab, device).add_(present).clamp_(max=1)
-        # rep where the token was seen (prompt or output), 1 elsewhere; positive logits
-        # are divided by it, the others multiplied (clamps: cheaper than a masked where).
-        factor = seen.mul_(column(reps) - 1).add_(1)
+        seen = present.clone()  # [P, V] 1.0 where the token is in the prompt or the output
+        seen.view(-1).index_fill_(0, _flat_keys(prompts, vocab, device), 1.0)
+        # rep where the token was seen, 1 elsewhere; positive logits are divided by it,
+        # the others multiplied (clamps: cheaper than a masked where on CPU).
+        factor = seen.mul_(column([p.repetition_penalty for p in ps]) - 1).add_(1)
         x = x.clamp(min=0).div_(factor).add_(x.clamp(max=0).mul_(factor))
-    x -= counts.mul_(column([r.params.frequency_penalty for r in rows]))
-    x -= present.mul_(column([r.params.presence_penalty for r in rows]))
+    if any(p.frequency_penalty != 0.0 for p in ps):
+        x -= counts.mul_(column([p.frequency_penalty for p in ps]))
+    if any(p.presence_penalty != 0.0 for p in ps):
+        x -= present.mul_(column([p.presence_penalty for p in ps]))
     return x
 
 
-def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """Occurrences of each token id in each sequence: [len(seqs), vocab] float32."""
+def _flat_keys(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """row * vocab + token id for every token of every sequence: [total] int64."""
     flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
         raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
     offsets = torch.arange(len(seqs), dtype=torch.int64) * vocab
-    keys = flat + offsets.repeat_interleave(torch.tensor([len(s) for s in seqs]))
-    counts = torch.bincount(keys.to(device), minlength=len(seqs) * vocab)
-    return counts.view(len(seqs), vocab).float()
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    return (flat + offsets.repeat_interleave(lengths)).to(device)
 
 
 def _output(
@@ -310,8 +335,8 @@ def _output(
         lp = torch.log_softmax(logits.index_select(0, idx).float(), -1)  # [L, V]
         parts.append(lp.gather(1, tokens[idx][:, None])[:, 0].double())  # [L]
         if n_top:
-            best = lp.topk(n_top, -1)  # [L, n_top] best first
-            parts += [best.values.flatten().double(), best.indices.flatten().double()]
+            values, cols = _top_candidates(lp, n_top)  # [L, n_top] best first
+            parts += [values.flatten().double(), cols.flatten().double()]
     flat = torch.cat(parts).tolist()
 
     token_ids = [int(t) for t in flat[:n]]
@@ -348,14 +373,17 @@ def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Te
     if 4 * width * _CANDIDATE_BLOCK > vocab:
         return x.topk(width, -1)
     # The best `width` entries lie in the `width` blocks with the highest maxima (a block
-    # left out has a max no better than every chosen block's), so topk only scans those.
-    blocks = _block_max(x, _CANDIDATE_BLOCK).topk(width, -1, sorted=False).indices  # [R, width]
+    # left out has a max no better than every chosen block's) or in the short tail, so
+    # topk only scans those.
+    nb = vocab // _CANDIDATE_BLOCK
+    head = x[:, : nb * _CANDIDATE_BLOCK].unflatten(-1, (nb, _CANDIDATE_BLOCK))  # [R, nb, B]
+    blocks = head.amax(-1).topk(width, -1, sorted=False).indices  # [R, width]
     cols = blocks[:, :, None] * _CANDIDATE_BLOCK + torch.arange(_CANDIDATE_BLOCK, device=x.device)
     cols = cols.flatten(1)  # [R, width * B]
-    padding = cols >= vocab  # past the end of a short tail block
-    cols.clamp_(max=vocab - 1)
-    vals = x.gather(1, cols).masked_fill_(padding, -math.inf)
-    best = vals.topk(width, -1)
+    if vocab % _CANDIDATE_BLOCK:
+        tail = torch.arange(nb * _CANDIDATE_BLOCK, vocab, device=x.device)
+        cols = torch.cat([cols, tail.expand(x.shape[0], -1)], 1)
+    best = x.gather(1, cols).topk(width, -1)
     return best.values, cols.gather(1, best.indices)
 
 
