@@ -233,6 +233,8 @@ class RequestHandler:
         status, code = _OUTCOMES.get(out.finish_reason, ("failed", INTERNAL))
         if out.error is not None:
             status, code = "failed", INTERNAL
+        elif out.finish_reason == FinishReason.DEADLINE and not out.token_ids:
+            code = EXPIRED  # expired while waiting here, never started: an error, not a result
         t = out.timing
         timing = {
             "enqueued_at": req.enqueued_at,
@@ -251,7 +253,10 @@ class RequestHandler:
             "preemptions": t.preemptions if t else 0,
         }
         reason = str(out.finish_reason) if out.finish_reason else None
-        error = out.error or ("cancelled by an operator" if code == CANCELLED else None)
+        error = out.error or {
+            CANCELLED: "cancelled by an operator",
+            EXPIRED: "the request's deadline passed before it started",
+        }.get(code or "")
         record = RequestRecord(
             id=req.id,
             status=status,

@@ -225,7 +225,9 @@ class Service:
         """True when one more request could be placed in the batch (or the look-ahead)."""
         assert self.engine is not None
         cap = self.engine.capacity()
-        held = cap.running + cap.waiting + self._admitting
+        # A finished request's message stays unacked until its ledger row commits and
+        # its reply is confirmed: count messages held, not only requests in the engine.
+        held = max(cap.running + cap.waiting + self._admitting, len(self._tasks))
         if held >= self.engine_config.max_num_seqs + self.config.lookahead:
             return False
         return cap.free_tokens >= self.config.reserve_blocks * cap.block_size

@@ -1,0 +1,929 @@
+"""`kvflow worker` end to end: real RabbitMQ, real PostgreSQL, workers as subprocesses.
+
+Every test gets its own `test.<hex>` queues (the `rabbit_topology` fixture, pointed at
+by KVFLOW_EXCHANGE and --queue) and its own migrated ledger schema, starts the workers
+it needs, waits for their first heartbeat row in `workers`, and stops them afterwards.
+Most tests run the tiny random-weight model (its text is random tokens); the round
+trip, continuous batching and drain tests run the real default model.
+
+Flow-control checks rest on one fact of the handler: a request's ledger row turns
+`running` after its message was pulled and turns terminal before the message is
+acked, so the number of `running` rows of a worker never exceeds the number of
+messages it holds unacknowledged. Sampling those rows is a sound lower bound of what
+a worker holds; the heartbeat's `info.held` and `rabbitmqctl` (5 s late on quorum
+queues) are sampled too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+import aio_pika
+import msgpack
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+from sqlalchemy import func, select
+
+from broker.client import Client, Handle, RequestFailed
+from broker.messages import CONTENT_TYPE, ENQUEUED_AT_HEADER, decode_reply
+from broker.topology import Topology, queue_counts
+from worker.ledger.migrate import open_engine, upgrade_async
+from worker.ledger.tables import requests as requests_table
+from worker.ledger.tables import workers as workers_table
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+LOOKAHEAD = 2
+HEARTBEAT_S = 0.2  # KVFLOW_HEARTBEAT_S for the workers: fine-grained `workers` samples
+READY_TIMEOUT_S = 90.0
+
+
+async def eventually(
+    fetch: Callable[[], Awaitable[Any]], what: str, *, timeout: float = 30.0, every: float = 0.05
+) -> Any:
+    """Call `fetch` until it returns something truthy; fail after `timeout` seconds."""
+    until = time.monotonic() + timeout
+    while True:
+        value = await fetch()
+        if value:
+            return value
+        if time.monotonic() > until:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+def seconds(a: datetime, b: datetime) -> float:
+    """b - a in seconds."""
+    return (b - a).total_seconds()
+
+
+# -- the client side --
+
+
+class RecordingClient(Client):
+    """The product's client, also keeping every raw reply per request id, in order.
+
+    The client itself drops what arrives after a request's final reply; the tests need
+    to see it (a second result, a delta after the result, errors for raw publishes).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.replies: dict[str, list[dict[str, Any]]] = defaultdict(list)
+
+    async def _on_reply(self, message: AbstractIncomingMessage) -> None:
+        with contextlib.suppress(ValueError):
+            reply = decode_reply(message.body)
+            self.replies[str(reply.get("id") or message.correlation_id)].append(reply)
+        await super()._on_reply(message)
+
+    def kinds(self, rid: str) -> list[str]:
+        return [r["type"] for r in self.replies.get(rid, [])]
+
+
+# -- worker processes --
+
+
+@dataclasses.dataclass
+class WorkerProc:
+    """One `kvflow worker` subprocess; its stdout and stderr go to `log_path`."""
+
+    id: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    def output(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.output().splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    async def wait(self, timeout: float) -> int:
+        """The exit code; fails the test if the process is still running after `timeout`."""
+        try:
+            return await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker {self.id} still running after {timeout} s:\n{self.tail()}")
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 15 s; always reaps the process and closes the log."""
+        try:
+            if self.alive():
+                self.proc.terminate()
+                try:
+                    await asyncio.to_thread(self.proc.wait, 15)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            await asyncio.to_thread(self.proc.wait, 15)
+        finally:
+            self.log_file.close()
+
+
+def worker_command(
+    amqp_url: str,
+    queue: str,
+    database_url: str,
+    worker_id: str,
+    *,
+    model: Path | None,
+    max_num_seqs: int,
+    num_kv_blocks: int = 256,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    cmd = [sys.executable, "-m", "worker.cli", "worker", "--amqp-url", amqp_url]
+    cmd += ["--queue", queue, "--database-url", database_url, "--worker-id", worker_id]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    cmd += ["--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", str(max_num_seqs)]
+    cmd += ["--lookahead", str(LOOKAHEAD), "--threads", "1", *extra]
+    return cmd
+
+
+def spawn(cmd: list[str], worker_id: str, log_dir: Path, exchange: str) -> WorkerProc:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    env |= {
+        "KVFLOW_EXCHANGE": exchange,
+        "KVFLOW_HEARTBEAT_S": str(HEARTBEAT_S),
+        "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    if "KVFLOW_CACHE_DIR" in os.environ:  # the default model's conversion cache
+        env["KVFLOW_CACHE_DIR"] = os.environ["KVFLOW_CACHE_DIR"]
+    log_path = log_dir / f"{worker_id}.log"
+    log_file = open(log_path, "wb")  # noqa: SIM115 - closed by WorkerProc.stop
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    return WorkerProc(worker_id, proc, log_path, log_file)
+
+
+# -- the harness: queues, ledger, client, workers --
+
+
+class Harness:
+    """One test's world: topology, migrated ledger schema, a client, worker processes."""
+
+    def __init__(self, amqp_url: str, topo: Topology, db_url: str, log_dir: Path) -> None:
+        self.amqp_url = amqp_url
+        self.topo = topo
+        self.db_url = db_url
+        self.log_dir = log_dir
+        self.db = open_engine(db_url)
+        self.workers: list[WorkerProc] = []
+
+    async def open(self) -> None:
+        self.client = await RecordingClient.connect(self.amqp_url, topology=self.topo)
+        self.connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        self.channel = await self.connection.channel()
+        self.exchange = await self.channel.get_exchange(self.topo.exchange, ensure=False)
+        self.dead = await self.channel.get_queue(self.topo.dead_letter_queue, ensure=False)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.gather(*(w.stop() for w in self.workers))
+        finally:
+            with contextlib.suppress(Exception):
+                await self.client.close()
+            with contextlib.suppress(Exception):
+                await self.connection.close()
+            await self.db.dispose()
+
+    # workers
+
+    def start(
+        self,
+        name: str,
+        *,
+        model: Path | None,
+        max_num_seqs: int,
+        num_kv_blocks: int = 256,
+        extra: Sequence[str] = (),
+        database_url: str | None = None,
+        amqp_url: str | None = None,
+    ) -> WorkerProc:
+        wid = f"{name}-{uuid.uuid4().hex[:6]}"
+        cmd = worker_command(
+            amqp_url or self.amqp_url,
+            self.topo.queue,
+            database_url or self.db_url,
+            wid,
+            model=model,
+            max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks,
+            extra=extra,
+        )
+        w = spawn(cmd, wid, self.log_dir, self.topo.exchange)
+        self.workers.append(w)
+        return w
+
+    async def ready(self, *workers: WorkerProc) -> None:
+        """Wait (bounded) for each worker's heartbeat row; fail at once if one exits."""
+
+        async def beating() -> bool:
+            for w in workers:
+                if not w.alive():
+                    pytest.fail(f"worker {w.id} exited with {w.proc.returncode}:\n{w.tail()}")
+            rows = await self.worker_rows()
+            return all(w.id in rows for w in workers)
+
+        await eventually(beating, "the workers' first heartbeats", timeout=READY_TIMEOUT_S)
+
+    # the ledger
+
+    async def rows(self, ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        stmt = select(requests_table)
+        if ids is not None:
+            stmt = stmt.where(requests_table.c.id.in_(list(ids)))
+        async with self.db.connect() as conn:
+            result = (await conn.execute(stmt)).mappings().all()
+        return {r["id"]: dict(r) for r in result}
+
+    async def count_rows(self) -> int:
+        async with self.db.connect() as conn:
+            n = await conn.scalar(select(func.count()).select_from(requests_table))
+        return int(n or 0)
+
+    async def running_by_worker(self) -> dict[str, int]:
+        t = requests_table.c
+        stmt = select(t.worker_id, func.count()).where(t.status == "running").group_by(t.worker_id)
+        async with self.db.connect() as conn:
+            return {wid: int(n) for wid, n in (await conn.execute(stmt)).all()}
+
+    async def worker_rows(self) -> dict[str, dict[str, Any]]:
+        async with self.db.connect() as conn:
+            result = (await conn.execute(select(workers_table))).mappings().all()
+        return {r["id"]: dict(r) for r in result}
+
+    async def settled(self, ids: Sequence[str], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+        """Wait until every id has a terminal ledger row; returns the rows."""
+
+        async def done() -> dict[str, dict[str, Any]] | None:
+            rows = await self.rows(ids)
+            ok = len(rows) == len(ids) and all(
+                r["status"] not in ("queued", "running") for r in rows.values()
+            )
+            return rows if ok else None
+
+        rows: dict[str, dict[str, Any]] = await eventually(
+            done, f"{len(ids)} terminal ledger rows", timeout=timeout
+        )
+        return rows
+
+    # the broker
+
+    async def ready_count(self) -> int:
+        declared = await self.channel.declare_queue(self.topo.queue, passive=True)
+        return int(declared.declaration_result.message_count or 0)
+
+    async def publish_raw(
+        self,
+        body: bytes,
+        rid: str,
+        *,
+        headers: dict[str, Any] | None = None,
+        **props: Any,
+    ) -> None:
+        """Publish a request body as-is (no client-side checks), replies to our client."""
+        message = aio_pika.Message(
+            body,
+            content_type=CONTENT_TYPE,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=rid,
+            correlation_id=rid,
+            reply_to=self.client.reply_queue,
+            headers=headers,
+            **props,
+        )
+        await self.exchange.publish(message, routing_key=self.topo.queue, mandatory=True)
+
+    async def dead_letters(self, ids: set[str], timeout: float = 20.0) -> dict[str, bytes]:
+        """Read `<queue>.dead` until every id in `ids` showed up; returns id -> body."""
+        found: dict[str, bytes] = {}
+
+        async def drained() -> bool:
+            while (m := await self.dead.get(no_ack=True, fail=False)) is not None:
+                assert m.message_id not in found, f"{m.message_id} dead-lettered twice"
+                found[str(m.message_id)] = m.body
+            return ids <= found.keys()
+
+        await eventually(drained, f"dead letters {sorted(ids - found.keys())}", timeout=timeout)
+        return found
+
+    async def dead_letter_count(self) -> int:
+        declared = await self.channel.declare_queue(self.topo.dead_letter_queue, passive=True)
+        return int(declared.declaration_result.message_count or 0)
+
+
+@pytest.fixture
+async def harness(
+    amqp_url: str,
+    rabbit_topology: Topology,
+    empty_schema: Callable[[], str],
+    tmp_path: Path,
+) -> AsyncIterator[Harness]:
+    url = empty_schema()
+    await upgrade_async(url)
+    h = Harness(amqp_url, rabbit_topology, url, tmp_path)
+    try:
+        await h.open()
+        yield h
+    finally:
+        await h.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("smollm2")
+
+
+# -- samplers --
+
+
+class HeldSampler:
+    """Samples what each worker holds: `running` ledger rows (a lower bound of its unacked
+    messages, see the module docstring), the heartbeat's `info.held`, and the queue's
+    ready count; every `every` seconds while running."""
+
+    def __init__(self, h: Harness, every: float = 0.03) -> None:
+        self.h = h
+        self.every = every
+        self.max_running: dict[str, int] = defaultdict(int)
+        self.max_held: dict[str, int] = defaultdict(int)
+        self.ready: list[tuple[float, int]] = []
+        self.samples = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        while True:
+            for wid, n in (await self.h.running_by_worker()).items():
+                self.max_running[wid] = max(self.max_running[wid], n)
+            for wid, row in (await self.h.worker_rows()).items():
+                held = int((row["info"] or {}).get("held", 0))
+                self.max_held[wid] = max(self.max_held[wid], held)
+            self.ready.append((time.monotonic(), await self.h.ready_count()))
+            self.samples += 1
+            await asyncio.sleep(self.every)
+
+    async def __aenter__(self) -> HeldSampler:
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if self._task.cancelled():
+            return
+        self._task.result()  # re-raise a sampler failure
+
+
+class UnackedSampler:
+    """The broker's own unacked count (`rabbitmqctl`, ~5 s late on quorum queues)."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.unacked: list[int] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        while True:
+            _, unacked = await queue_counts(self.h.amqp_url, self.h.topo.queue)
+            self.unacked.append(unacked)
+            await asyncio.sleep(0.3)
+
+    async def __aenter__(self) -> UnackedSampler:
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def results(handles: Sequence[Handle], timeout: float) -> list[dict[str, Any]]:
+    return list(await asyncio.gather(*(h.result(timeout) for h in handles)))
+
+
+# -- 1. round trip --
+
+N_ROUND_TRIP = 200
+
+
+@pytest.mark.timeout(180)
+async def test_round_trip_through_two_workers(harness: Harness, default_model_dir: Path) -> None:
+    h = harness
+    a = h.start("rt-a", model=None, max_num_seqs=16)
+    b = h.start("rt-b", model=None, max_num_seqs=16)
+    await h.ready(a, b)
+
+    handles: list[Handle] = []
+    window: dict[str, tuple[float, float]] = {}  # id -> (before submit, after submit)
+    streamed = {f"rt-{i}" for i in range(N_ROUND_TRIP) if i % 4 == 0}
+    for i in range(N_ROUND_TRIP):
+        kind = ("prompt", "messages", "prompt_token_ids")[i % 3]
+        form: dict[str, Any] = {
+            "prompt": {"prompt": f"Name a colour, number {i}:"},
+            "messages": {"messages": [{"role": "user", "content": f"Say {i}."}]},
+            "prompt_token_ids": {"prompt_token_ids": [1, 100 + i, 200 + i, 300 + i]},
+        }[kind]
+        before = time.time()
+        handle = await h.client.submit(
+            **form, id=f"rt-{i}", max_tokens=4, stream=f"rt-{i}" in streamed, metadata={"i": i}
+        )
+        window[handle.id] = (before, time.time())
+        handles.append(handle)
+
+    async def outcome(handle: Handle) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        if handle.id in streamed:
+            deltas = [d async for d in handle.stream(timeout=150)]
+            assert handle.final is not None
+            return deltas, handle.final
+        return [], await handle.result(150)
+
+    outcomes = await asyncio.gather(*(outcome(x) for x in handles))
+    rows = await h.settled([x.id for x in handles])
+
+    served: dict[str, int] = defaultdict(int)
+    for i, (handle, (deltas, result)) in enumerate(zip(handles, outcomes, strict=True)):
+        rid = handle.id
+        assert result["type"] == "result" and result["id"] == rid
+        assert result["metadata"] == {"i": i}
+        assert result["usage"]["completion_tokens"] == len(result["token_ids"]) >= 1
+        raw = h.client.replies[rid]
+        # exactly one result, last; deltas only before it, numbered from 0
+        assert h.client.kinds(rid).count("result") == 1, h.client.kinds(rid)
+        assert raw[-1]["type"] == "result", h.client.kinds(rid)
+        raw_deltas = [r for r in raw if r["type"] == "delta"]
+        if rid in streamed:
+            assert deltas == raw_deltas and deltas, f"{rid}: no deltas streamed"
+            assert [d["index"] for d in deltas] == list(range(len(deltas)))
+            assert "".join(d["text"] for d in deltas) == result["text"]
+            assert [t for d in deltas for t in d["token_ids"]] == result["token_ids"]
+        else:
+            assert raw_deltas == [], f"{rid} did not ask to stream"
+
+        row = rows[rid]
+        assert row["status"] == "completed", row
+        assert row["output_text"] == result["text"]
+        assert row["worker_id"] == result["worker"] in (a.id, b.id)
+        served[row["worker_id"]] += 1
+        for name in ("enqueued_at", "received_at", "admitted_at", "first_token_at", "finished_at"):
+            assert row[name] is not None, f"{rid}: {name} missing"
+        for name in ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "prompt_tokens"):
+            assert row[name] is not None, f"{rid}: {name} missing"
+        assert row["enqueued_at"] <= row["admitted_at"] <= row["first_token_at"]
+        assert row["first_token_at"] <= row["finished_at"]
+        # queue_s counts from the producer's enqueue timestamp, not from receipt
+        before, after = window[rid]
+        enqueued = row["enqueued_at"].timestamp()
+        assert before - 1e-3 <= enqueued <= after + 1e-3, (before, enqueued, after)
+        assert result["timing"]["enqueued_at"] == pytest.approx(enqueued, abs=1e-5)
+        assert row["queue_s"] >= 0
+        assert row["queue_s"] == pytest.approx(
+            seconds(row["enqueued_at"], row["admitted_at"]), abs=2e-3
+        )
+        assert result["timing"]["queue_s"] == pytest.approx(row["queue_s"], abs=1e-6)
+
+    assert await h.count_rows() == N_ROUND_TRIP
+    assert set(served) == {a.id, b.id}, f"both workers should serve: {dict(served)}"
+    assert min(served.values()) >= N_ROUND_TRIP // 10, dict(served)
+    assert a.alive() and b.alive()
+
+
+# -- 2. continuous batching through the queue --
+
+
+@pytest.mark.timeout(150)
+async def test_short_requests_join_the_running_batch(
+    harness: Harness, default_model_dir: Path
+) -> None:
+    h = harness
+    max_seqs = 4
+    w = h.start("cb", model=None, max_num_seqs=max_seqs)
+    await h.ready(w)
+
+    async with HeldSampler(h) as held, UnackedSampler(h) as broker:
+        long = [
+            await h.client.submit(
+                f"Tell a long story number {i}.", id=f"long-{i}", max_tokens=120, ignore_eos=True
+            )
+            for i in range(3)
+        ]
+
+        async def long_running() -> bool:
+            row = (await h.worker_rows()).get(w.id)
+            return row is not None and (row["running"] or 0) >= len(long)
+
+        await eventually(long_running, "the long requests to run", timeout=30)
+        short = [await h.client.submit(f"Hi {i}", id=f"short-{i}", max_tokens=4) for i in range(6)]
+        await results([*long, *short], timeout=120)
+        rows = await h.settled([x.id for x in (*long, *short)])
+
+    long_rows = [rows[x.id] for x in long]
+    short_rows = [rows[x.id] for x in short]
+    assert all(r["status"] == "completed" for r in rows.values())
+    assert all(r["completion_tokens"] == 120 for r in long_rows)
+    first_long_done = min(r["finished_at"] for r in long_rows)
+    first_short_enqueued = min(r["enqueued_at"] for r in short_rows)
+    for r in long_rows:  # they really were running when the short ones came
+        assert r["first_token_at"] < first_short_enqueued
+    for r in short_rows:
+        assert r["admitted_at"] < first_long_done, (r["id"], r["admitted_at"], first_long_done)
+        assert r["finished_at"] < first_long_done, (r["id"], r["finished_at"], first_long_done)
+
+    cap = max_seqs + LOOKAHEAD
+    seen = (
+        f"most running rows {held.max_running[w.id]}, heartbeat held {held.max_held[w.id]}, "
+        f"rabbitmqctl unacked {broker.unacked}, cap {cap}"
+    )
+    assert held.max_running[w.id] >= max_seqs, f"the sampler never saw the worker busy: {seen}"
+    assert held.max_running[w.id] <= cap, seen
+    assert held.max_held[w.id] <= cap, seen
+    assert broker.unacked and max(broker.unacked) <= cap, seen
+
+
+# -- 3. flow control across two workers --
+
+
+@pytest.mark.timeout(150)
+async def test_burst_is_shared_and_pulled_by_capacity(harness: Harness, tiny_dir: Path) -> None:
+    h = harness
+    max_seqs, n = 4, 40
+    a = h.start("fc-a", model=tiny_dir, max_num_seqs=max_seqs)
+    b = h.start("fc-b", model=tiny_dir, max_num_seqs=max_seqs)
+    await h.ready(a, b)
+
+    async with HeldSampler(h) as held, UnackedSampler(h) as broker:
+        handles = [
+            await h.client.submit(
+                prompt_token_ids=[1, 2, 3, 4 + i], id=f"fc-{i}", max_tokens=200, ignore_eos=True
+            )
+            for i in range(n)
+        ]
+        published = time.monotonic()
+        await results(handles, timeout=120)
+        rows = await h.settled([x.id for x in handles])
+
+        async def sampled() -> bool:
+            return len(broker.unacked) >= 3
+
+        await eventually(sampled, "three rabbitmqctl samples")
+
+    cap = max_seqs + LOOKAHEAD
+    seen = (
+        f"most running rows {dict(held.max_running)}, heartbeat held {dict(held.max_held)}, "
+        f"rabbitmqctl unacked {broker.unacked}, cap {cap} per worker"
+    )
+    for w in (a, b):
+        assert held.max_running[w.id] >= max_seqs, f"never saw {w.id} busy: {seen}"
+        assert held.max_running[w.id] <= cap, seen
+        assert held.max_held[w.id] <= cap, seen
+    assert max(broker.unacked) <= 2 * cap, seen
+
+    served = defaultdict(int)
+    for r in rows.values():
+        assert r["status"] == "completed"
+        served[r["worker_id"]] += 1
+    assert served[a.id] >= n // 4 and served[b.id] >= n // 4, dict(served)
+
+    # the queue drains gradually: right after the burst most of it is still ready
+    after = [count for t, count in held.ready if t >= published]
+    assert after and after[0] >= n - 2 * cap - 2, after[:5]
+    assert any(0 < c < n - 2 * cap for c in after), "the ready count never drained gradually"
+    assert after[-1] == 0
+
+
+# -- 4. kill -9 --
+
+
+@pytest.mark.timeout(120)
+async def test_killed_worker_requests_complete_exactly_once(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    h = harness
+    a = h.start("kill-a", model=tiny_dir, max_num_seqs=4)
+    b = h.start("kill-b", model=tiny_dir, max_num_seqs=4)
+    await h.ready(a, b)
+
+    handles = [
+        await h.client.submit(
+            prompt_token_ids=[5, 6, 7 + i], id=f"kill-{i}", max_tokens=230, ignore_eos=True
+        )
+        for i in range(16)
+    ]
+
+    async def a_running() -> list[str]:
+        rows = await h.rows()
+        return [
+            rid for rid, r in rows.items() if r["status"] == "running" and r["worker_id"] == a.id
+        ]
+
+    in_flight = await eventually(a_running, "requests running on worker A", timeout=30, every=0.02)
+    a.proc.send_signal(signal.SIGKILL)
+    assert await a.wait(10) == -signal.SIGKILL
+
+    outcomes = await results(handles, timeout=90)
+    rows = await h.settled([x.id for x in handles])
+    assert await h.count_rows() == len(handles)
+    for handle, result in zip(handles, outcomes, strict=True):
+        row = rows[handle.id]
+        assert row["status"] == "completed", row
+        assert row["completion_tokens"] == 230
+        texts = {r["text"] for r in h.client.replies[handle.id] if r["type"] == "result"}
+        assert texts == {row["output_text"]}, f"{handle.id}: results disagree: {texts}"
+        assert result["text"] == row["output_text"]
+    rerun = [rid for rid in in_flight if rows[rid]["worker_id"] == b.id]
+    assert rerun, f"none of A's in-flight requests {in_flight} was finished by B"
+    assert all(rows[rid]["attempts"] >= 2 for rid in rerun)
+    assert await h.dead_letter_count() == 0
+    assert b.alive()
+
+
+# -- 5. redelivery of a completed id --
+
+
+@pytest.mark.timeout(90)
+async def test_redelivered_completed_id_is_answered_from_the_ledger(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    h = harness
+    w = h.start("redo", model=tiny_dir, max_num_seqs=4)
+    await h.ready(w)
+
+    rid = "redo-" + uuid.uuid4().hex[:8]
+    # temperature 1 on random weights: a second run would almost surely differ
+    first = await (await h.client.submit("Once upon a time", id=rid, max_tokens=24)).result(30)
+    row1 = (await h.settled([rid]))[rid]
+
+    second = await (await h.client.submit("Once upon a time", id=rid, max_tokens=24)).result(30)
+
+    async def answered_twice() -> bool:
+        return h.client.kinds(rid).count("result") == 2
+
+    await eventually(answered_twice, "the second result")
+    row2 = (await h.rows([rid]))[rid]
+    assert second["text"] == first["text"] and second["token_ids"] == first["token_ids"]
+    assert second["worker"] == first["worker"]
+    assert second["timing"]["finished_at"] == pytest.approx(
+        first["timing"]["finished_at"], abs=1e-5
+    ), "the model ran again"
+    assert row2["attempts"] == row1["attempts"] == 1
+    assert row2["finished_at"] == row1["finished_at"]
+    assert row2["output_token_ids"] == first["token_ids"]
+    assert await h.count_rows() == 1
+    assert await h.dead_letter_count() == 0
+
+
+# -- 6. bad input --
+
+MAX_TOKENS_CAP = 64
+
+
+def _bad_inputs() -> dict[str, tuple[bytes, str]]:
+    """case -> (body, expected error code)."""
+
+    def pack(**fields: Any) -> bytes:
+        return msgpack.packb(fields, use_bin_type=True)
+
+    return {
+        "not-msgpack": (b"\xc1\xc1 this is not msgpack", "invalid_request"),
+        "wrong-type": (pack(prompt="hi", max_tokens="10"), "invalid_request"),
+        "no-prompt": (pack(max_tokens=4), "invalid_request"),
+        "two-prompts": (pack(prompt="hi", prompt_token_ids=[1, 2]), "invalid_request"),
+        "unknown-field": (pack(prompt="hi", colour="blue"), "invalid_request"),
+        "too-long": (pack(prompt_token_ids=[100] * 2000), "prompt_too_long"),
+        "over-cap": (pack(prompt="hi", max_tokens=MAX_TOKENS_CAP + 1), "invalid_request"),
+        "temperature": (pack(prompt="hi", temperature=-1.0), "invalid_request"),
+        "top-p": (pack(prompt="hi", top_p=2.0), "invalid_request"),
+        "oversized": (pack(prompt="x" * ((1 << 20) + 1000)), "invalid_request"),
+    }
+
+
+@pytest.mark.timeout(90)
+async def test_bad_input_is_answered_recorded_and_dead_lettered(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    h = harness
+    w = h.start(
+        "bad",
+        model=tiny_dir,
+        max_num_seqs=4,
+        extra=["--max-model-len", "256", "--max-tokens-cap", str(MAX_TOKENS_CAP)],
+    )
+    await h.ready(w)
+
+    cases = _bad_inputs()
+    ids = {case: f"bad-{case}-{uuid.uuid4().hex[:6]}" for case in cases}
+    for case, (body, _) in cases.items():
+        await h.publish_raw(body, ids[case])
+
+    async def all_answered() -> bool:
+        return all(h.client.replies.get(rid) for rid in ids.values())
+
+    await eventually(all_answered, "an error reply for every bad request", timeout=30)
+    rows = await h.settled(list(ids.values()))
+    dead = await h.dead_letters(set(ids.values()))
+
+    for case, (body, code) in cases.items():
+        rid = ids[case]
+        replies = h.client.replies[rid]
+        assert [r["type"] for r in replies] == ["error"], f"{case}: {replies}"
+        assert replies[0]["error"]["code"] == code, f"{case}: {replies[0]}"
+        assert replies[0]["error"]["message"], case
+        assert rows[rid]["status"] == "rejected", f"{case}: {rows[rid]}"
+        assert rows[rid]["error_code"] == code, case
+        assert dead[rid] == body, f"{case}: the dead letter is not the original message"
+
+    assert w.alive(), w.tail()
+    good = await (await h.client.submit("Still there?", max_tokens=4)).result(30)
+    assert good["type"] == "result" and good["usage"]["completion_tokens"] >= 1
+    assert await h.ready_count() == 0
+
+
+# -- 7. deadlines --
+
+
+@pytest.mark.timeout(90)
+async def test_requests_past_their_deadline_are_not_run(harness: Harness, tiny_dir: Path) -> None:
+    h = harness
+    w = h.start("late", model=tiny_dir, max_num_seqs=4)
+    await h.ready(w)
+
+    # a deadline in the body that has passed
+    past = await h.client.submit("too late", id="late-body", deadline=time.time() - 5)
+    with pytest.raises(RequestFailed) as info:
+        await past.result(30)
+    assert info.value.code == "expired"
+
+    # the AMQP expiration: 5 s after an enqueue time 30 s ago (the broker counts its
+    # TTL from arrival, so it delivers; the worker must measure from the enqueue time)
+    enqueued = time.time() - 30
+    body = msgpack.packb({"prompt": "too late too", "max_tokens": 4}, use_bin_type=True)
+    await h.publish_raw(
+        body,
+        "late-ttl",
+        expiration=5,
+        timestamp=enqueued,
+        headers={ENQUEUED_AT_HEADER: f"{enqueued:.6f}"},
+    )
+
+    async def answered() -> bool:
+        return bool(h.client.replies.get("late-ttl"))
+
+    await eventually(answered, "a reply to the expired message", timeout=30)
+    replies = h.client.replies["late-ttl"]
+    assert [r["type"] for r in replies] == ["error"], replies
+    assert replies[0]["error"]["code"] == "expired"
+
+    rows = await h.settled(["late-body", "late-ttl"])
+    for row in rows.values():
+        assert row["status"] == "expired", row
+        assert row["error_code"] == "expired"
+        assert row["output_text"] is None and row["first_token_at"] is None, "it ran"
+    assert await h.dead_letter_count() == 0
+    assert await h.ready_count() == 0
+
+
+@pytest.mark.timeout(90)
+async def test_request_whose_deadline_passes_while_held_is_not_run(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    h = harness
+    # one sequence slot: the second request waits in the worker's look-ahead
+    w = h.start("held", model=tiny_dir, max_num_seqs=1)
+    await h.ready(w)
+
+    blocker = await h.client.submit(
+        prompt_token_ids=[9, 9, 9], id="held-long", max_tokens=240, ignore_eos=True
+    )
+
+    async def long_running() -> bool:
+        row = (await h.worker_rows()).get(w.id)
+        return row is not None and (row["running"] or 0) == 1
+
+    await eventually(long_running, "the long request to run", timeout=30, every=0.02)
+    deadline = time.time() + 0.5
+    waiting = await h.client.submit("wait for me", id="held-short", max_tokens=4, deadline=deadline)
+    await blocker.result(60)
+    rows = await h.settled(["held-long", "held-short"])
+    row = rows["held-short"]
+    # it reached the worker in time and then waited past its deadline there
+    assert row["received_at"].timestamp() < deadline, "precondition: received before the deadline"
+    assert rows["held-long"]["finished_at"].timestamp() > deadline, "precondition: slot was busy"
+    assert row["status"] == "expired", row
+    assert row["first_token_at"] is None and not row["completion_tokens"], "it ran"
+    with contextlib.suppress(RequestFailed):
+        await waiting.result(30)
+    replies = h.client.replies["held-short"]
+    assert [r["type"] for r in replies] == ["error"], f"not an error reply: {replies}"
+    assert replies[0]["error"]["code"] == "expired", replies
+    assert row["error_code"] == "expired", row
+
+
+# -- 8. SIGTERM drain --
+
+
+@pytest.mark.timeout(150)
+async def test_sigterm_drains_and_requeues_to_the_other_worker(
+    harness: Harness, default_model_dir: Path
+) -> None:
+    h = harness
+    a = h.start("drain-a", model=None, max_num_seqs=3, extra=["--drain-timeout", "1"])
+    b = h.start("drain-b", model=None, max_num_seqs=3)
+    await h.ready(a, b)
+    handles = [
+        await h.client.submit(
+            f"Write a poem about the sea, part {i}.",
+            id=f"drain-{i}",
+            max_tokens=96,
+            ignore_eos=True,
+        )
+        for i in range(6)
+    ]
+
+    async def a_busy() -> list[str]:
+        rows = await h.rows()
+        return [
+            rid for rid, r in rows.items() if r["status"] == "running" and r["worker_id"] == a.id
+        ]
+
+    on_a = await eventually(a_busy, "requests running on worker A", timeout=30, every=0.02)
+
+    a.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert await a.wait(20) == 0, a.tail()
+    assert time.monotonic() - started < 1 + 10, "drain took too long"
+
+    outcomes = await results(handles, timeout=120)
+    rows = await h.settled([x.id for x in handles])
+    assert await h.count_rows() == len(handles)
+    assert await h.dead_letter_count() == 0, "a drained request was dead-lettered"
+    requeued = [rows[rid] for rid in on_a if rows[rid]["worker_id"] == b.id]
+    assert requeued, f"A finished all of {on_a} within its drain timeout: nothing was requeued"
+    for handle, result in zip(handles, outcomes, strict=True):
+        row = rows[handle.id]
+        assert row["status"] == "completed" and row["completion_tokens"] == 96, row
+        assert h.client.kinds(handle.id) == ["result"], h.client.kinds(handle.id)
+        assert result["worker"] == row["worker_id"]
+    assert all(r["attempts"] >= 2 for r in requeued)
+    assert (await h.worker_rows())[a.id]["state"] == "stopped"
+    assert "Traceback" not in a.output(), a.tail()
+
+
+# -- 9. refusing to start --
+
+
+@pytest.mark.timeout(120)
+async def test_worker_refuses_an_unmigrated_database(
+    amqp_url: str,
+    rabbit_topology: Topology,
+    empty_schema: Callable[[], str],
+    tiny_dir: Path,
+    tmp_path: Path,
+) -> None:
+    url = empty_schema()  # never migrated
+    wid = "unmigrated"
+    cmd = worker_command(amqp_url, rabbit_topology.queue, url, wid, model=tiny_dir, max_num_seqs=2)
+    w = spawn(cmd, wid, tmp_path, rabbit_topology.exchange)
+    try:
+        code = await w.wait(60)
+        out = w.output()
+    finally:
+        await w.stop()
+    assert code != 0, out
+    assert "kvflow db upgrade" in out, out
+    assert "Traceback" not in out, out
+
+
+@pytest.mark.timeout(120)
+async def test_worker_exits_clearly_when_rabbitmq_is_unreachable(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    password = "s3cret-" + uuid.uuid4().hex[:8]
+    url = f"amqp://guest:{password}@127.0.0.1:1/"
+    w = harness.start("norabbit", model=tiny_dir, max_num_seqs=2, amqp_url=url)
+    code = await w.wait(60)
+    out = w.output()
+    assert code != 0, out
+    assert "cannot reach RabbitMQ" in out and "127.0.0.1:1" in out, out
+    assert password not in out, "the password leaked"
+    assert "Traceback" not in out, out
