@@ -264,9 +264,7 @@ def test_candidate_paths_agree_with_the_full_sort() -> None:
         SamplingParams(min_p=0.05),
         SamplingParams(top_k=100, min_p=0.3, top_p=0.99),
     ]
-    rows = [
-        row(dataclasses.replace(grid[i % len(grid)], seed=i), output_index=i) for i in range(n)
-    ]
+    rows = [row(dataclasses.replace(grid[i % len(grid)], seed=i), output_index=i) for i in range(n)]
     fast = sample(logits, rows).token_ids
     with mock.patch.object(sampler_module, "_CANDIDATE_WIDTHS", ()):
         assert sample(logits, rows).token_ids == fast

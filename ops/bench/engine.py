@@ -1,0 +1,403 @@
+"""Engine benchmark: one workload through kvflow and transformers, side by side.
+
+    python ops/bench/engine.py                       # all four systems, 128 requests
+    python ops/bench/engine.py --systems kvflow-continuous,kvflow-static -n 64
+
+Workload: n requests submitted at once; prompts of 16-512 tokens cut from real text
+(no shared prefixes); output lengths long-tailed (lognormal, median 64, clipped to
+8-512), fixed per request with EOS ignored, so every system does the same work.
+Systems:
+  kvflow-continuous  this engine, iteration-level scheduling
+  kvflow-static      this engine, request-level batching (batch runs to its longest member)
+  hf-generate        transformers `generate` on static padded batches
+  hf-generate-batch  transformers' continuous batching manager (`generate_batch`)
+Prints output tok/s, TTFT / ITL / e2e p50 and p99 per system, the ratios, and kvflow's
+time outside the forward pass at batch >= 32; writes JSON, a Markdown table and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import pkgutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from worker.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.request import SamplingParams, percentile
+
+SYSTEMS = ("kvflow-continuous", "kvflow-static", "hf-generate", "hf-generate-batch")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class Result:
+    system: str
+    wall_s: float
+    output_tokens: int
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def q(self, name: str, p: float) -> float:
+        xs = sorted(getattr(self, name))
+        return percentile(xs, p) if xs else math.nan
+
+
+def corpus_tokens(tokenizer, n_tokens: int) -> list[int]:
+    """Token ids of real English text: the standard library's docstrings."""
+    import importlib
+
+    texts = []
+    for mod in sorted(m.name for m in pkgutil.iter_modules() if not m.name.startswith("_")):
+        if mod in ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"):
+            continue
+        try:
+            module = importlib.import_module(mod)
+        except Exception:
+            continue
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj) if callable(obj) else None
+            if doc and len(doc) > 200:
+                texts.append(doc)
+        if sum(len(t) for t in texts) > n_tokens * 6:
+            break
+    return tokenizer.encode("\n\n".join(texts), add_special_tokens=False)[:n_tokens]
+
+
+def make_workload(tokenizer, n: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(16, 513, n)
+    out_lens = np.clip(np.round(rng.lognormal(math.log(64), 1.0, n)), 8, 512).astype(int)
+    stream = corpus_tokens(tokenizer, 200_000)
+    starts = rng.integers(0, len(stream) - 513, n)
+    prompts = [stream[s : s + int(k)] for s, k in zip(starts, prompt_lens, strict=True)]
+    return Workload(prompts, [int(x) for x in out_lens])
+
+
+# -- kvflow --------------------------------------------------------------------------------
+
+
+def run_kvflow(engine: LLMEngine, wl: Workload, name: str) -> Result:
+    t0 = time.time()
+    for i, (p, m) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
+        engine.add_request(
+            f"{name}-{i}",
+            p,
+            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True),
+            arrival_time=t0,
+        )
+    engine.recent_stats.clear()
+    stats = []
+    res = Result(name, 0.0, 0)
+    with tqdm(total=wl.output_tokens, desc=name, unit="tok", file=sys.stderr) as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                bar.update(len(out.delta_token_ids))
+                if out.finished:
+                    t = out.timing
+                    res.output_tokens += len(out.token_ids)
+                    res.ttft.append(t.ttft_s)
+                    res.e2e.append(t.e2e_s)
+                    if t.itl_mean_s is not None:
+                        res.itl.append(t.itl_mean_s)
+            stats.append(engine.last_stats)
+    res.wall_s = time.time() - t0
+    big = [s for s in stats if s.batch_size >= 32]
+    step_time = sum(s.step_time_s for s in big)
+    if step_time:
+        res.extra["overhead_frac_b32"] = sum(s.overhead_s for s in big) / step_time
+        res.extra["sample_frac_b32"] = sum(s.sample_time_s for s in big) / step_time
+    res.extra["mean_batch"] = float(np.mean([s.batch_size for s in stats]))
+    res.extra["steps"] = len(stats)
+    res.extra["preemptions"] = float(engine.scheduler.num_preemptions)
+    res.extra["timeline"] = [(s.started_at - t0, s.batch_size, s.kv_usage) for s in stats]  # type: ignore[assignment]
+    return res
+
+
+# -- transformers ----------------------------------------------------------------------------
+
+
+def run_hf_generate(model, wl: Workload, batch_size: int, pad_id: int) -> Result:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.time())
+            return scores
+
+    res = Result("hf-generate", 0.0, 0)
+    t0 = time.time()
+    bar = tqdm(total=wl.output_tokens, desc="hf-generate", unit="tok", file=sys.stderr)
+    for b in range(0, len(wl.prompts), batch_size):
+        prompts = wl.prompts[b : b + batch_size]
+        lens = wl.output_lens[b : b + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):  # left padding
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        clock = StepClock()
+        steps = max(lens)
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=pad_id,
+                logits_processor=LogitsProcessorList([clock]),
+            )
+        end = time.time()
+        for n in lens:  # a request's useful tokens are its first n; it returns with the batch
+            times = clock.times[:n]
+            res.ttft.append(times[0] - t0)
+            res.e2e.append(end - t0)
+            if n > 1:
+                res.itl.append((times[-1] - times[0]) / (n - 1))
+            res.output_tokens += n
+        bar.update(sum(lens))
+    bar.close()
+    res.wall_s = time.time() - t0
+    res.extra["useful_slot_frac"] = wl.output_tokens / sum(
+        max(wl.output_lens[b : b + batch_size]) * len(wl.output_lens[b : b + batch_size])
+        for b in range(0, len(wl.output_lens), batch_size)
+    )
+    return res
+
+
+def run_hf_generate_batch(model, wl: Workload) -> Result:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0
+    )
+    manager = model.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    res = Result("hf-generate-batch", 0.0, 0)
+    t0 = time.time()
+    t0_perf = time.perf_counter()
+    ids = [
+        manager.add_request(
+            p, request_id=f"r{i}", max_new_tokens=m, record_timestamps=True, eos_token_id=-1
+        )
+        for i, (p, m) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))
+    ]
+    done = 0
+    with tqdm(total=len(ids), desc="hf-generate-batch", unit="req", file=sys.stderr) as bar:
+        while done < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is None or not out.is_finished():
+                continue
+            done += 1
+            bar.update(1)
+            ts = out.timestamps or []
+            res.output_tokens += len(out.generated_tokens)
+            if ts:
+                res.ttft.append(ts[0] - t0_perf)
+                res.e2e.append(ts[-1] - t0_perf)
+                if len(ts) > 1:
+                    res.itl.append((ts[-1] - ts[0]) / (len(ts) - 1))
+    res.wall_s = time.time() - t0
+    manager.stop(block=True)
+    return res
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def table(results: list[Result], base: str) -> str:
+    ref = {r.system: r.tok_s for r in results}
+    lines = [
+        "| system | output tok/s | vs kvflow-continuous | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = ref.get(base, math.nan) / r.tok_s
+        lines.append(
+            f"| {r.system} | {r.tok_s:.1f} | {ratio:.2f}x | {r.q('ttft', 50):.1f} / {r.q('ttft', 99):.1f} | "
+            f"{r.q('itl', 50) * 1e3:.0f} / {r.q('itl', 99) * 1e3:.0f} | {r.q('e2e', 50):.1f} / {r.q('e2e', 99):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    names = [r.system for r in results]
+    axes[0].bar(
+        names, [r.tok_s for r in results], color=["#2a7", "#7b5", "#c66", "#d94"][: len(results)]
+    )
+    axes[0].set_ylabel("output tokens / s")
+    axes[0].set_title("throughput (same workload)")
+    axes[0].tick_params(axis="x", rotation=20)
+    for metric, ax, scale, label in (
+        ("ttft", axes[1], 1.0, "TTFT (s)"),
+        ("e2e", axes[1], 1.0, "e2e (s)"),
+    ):
+        del scale
+        xs = np.arange(len(results))
+        off = -0.2 if metric == "ttft" else 0.2
+        ax.bar(xs + off, [r.q(metric, 50) for r in results], 0.4, label=f"{label} p50")
+        ax.scatter(xs + off, [r.q(metric, 99) for r in results], marker="_", s=300, color="k")
+    axes[1].set_xticks(np.arange(len(results)), names, rotation=20)
+    axes[1].set_title("latency p50 (bars) and p99 (ticks)")
+    axes[1].legend()
+    for r in results:
+        tl = r.extra.get("timeline")
+        if tl:
+            t = [x[0] for x in tl]  # type: ignore[index]
+            axes[2].plot(t, [x[1] for x in tl], label=f"{r.system} batch size")  # type: ignore[index]
+    axes[2].set_xlabel("s since submit")
+    axes[2].set_title("requests in the batch, per step")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("-n", "--num-requests", type=int, default=128)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = ap.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    cfg = EngineConfig(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine = LLMEngine(cfg)
+    wl = make_workload(engine.tokenizer, args.num_requests, args.seed)
+    print(
+        f"workload: {len(wl.prompts)} requests, prompt tokens {sum(map(len, wl.prompts))} "
+        f"(16-512 each), output tokens {wl.output_tokens} (median {int(np.median(wl.output_lens))}, "
+        f"max {max(wl.output_lens)}), torch threads {torch.get_num_threads()}",
+        file=sys.stderr,
+    )
+    warm = Workload(wl.prompts[:2], [4, 4])
+    runners: dict[str, Callable[[], Result]] = {}
+    hf_model = None
+
+    def hf():
+        nonlocal hf_model
+        if hf_model is None:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                engine.loaded.path, dtype=getattr(torch, args.dtype)
+            ).eval()
+        return hf_model
+
+    def kv(mode: str) -> Result:
+        eng = LLMEngine(EngineConfig(**{**asdict(cfg), "scheduling": mode}), loaded=engine.loaded)
+        run_kvflow(eng, warm, "warmup")
+        return run_kvflow(eng, wl, f"kvflow-{mode}")
+
+    runners["kvflow-continuous"] = lambda: kv("continuous")
+    runners["kvflow-static"] = lambda: kv("static")
+    runners["hf-generate"] = lambda: (
+        run_hf_generate(hf(), warm, 2, 0),
+        run_hf_generate(hf(), wl, args.hf_batch_size, 0),
+    )[1]
+    runners["hf-generate-batch"] = lambda: run_hf_generate_batch(hf(), wl)
+    results = [runners[s]() for s in systems]
+
+    base = "kvflow-continuous"
+    md = table(results, base)
+    print("\n" + md)
+    cont = next((r for r in results if r.system == base), None)
+    if cont is not None:
+        for r in results:
+            if r is not cont:
+                print(f"{base} / {r.system}: {cont.tok_s / r.tok_s:.2f}x output tok/s")
+        if "overhead_frac_b32" in cont.extra:
+            print(
+                f"{base}: time outside the forward pass at batch >= 32: "
+                f"{cont.extra['overhead_frac_b32']:.1%} of step time "
+                f"(sampling {cont.extra['sample_frac_b32']:.1%}); mean batch {cont.extra['mean_batch']:.1f}, "
+                f"preemptions {cont.extra['preemptions']:.0f}"
+            )
+    for r in results:
+        if "useful_slot_frac" in r.extra:
+            print(
+                f"hf-generate: {r.extra['useful_slot_frac']:.0%} of computed token slots were useful"
+            )
+    (args.out / "engine.md").write_text(md + "\n")
+    (args.out / "engine.json").write_text(
+        json.dumps(
+            [
+                {
+                    "system": r.system,
+                    "output_tok_s": r.tok_s,
+                    "wall_s": r.wall_s,
+                    "output_tokens": r.output_tokens,
+                    "ttft_p50": r.q("ttft", 50),
+                    "ttft_p99": r.q("ttft", 99),
+                    "itl_p50": r.q("itl", 50),
+                    "itl_p99": r.q("itl", 99),
+                    "e2e_p50": r.q("e2e", 50),
+                    "e2e_p99": r.q("e2e", 99),
+                    **{k: v for k, v in r.extra.items() if k != "timeline"},
+                }
+                for r in results
+            ],
+            indent=2,
+        )
+    )
+    plot(results, args.out / "engine.png")
+    print(
+        f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, {args.out / 'engine.png'}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()
