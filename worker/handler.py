@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -90,11 +91,16 @@ class RequestHandler:
         self.events = events or HandlerEvents()
         # Ids to give back to the queue instead of cancelling (drain, shutdown).
         self.requeue_ids: set[str] = set()
-        # Ids cancelled by an operator before their message arrived here.
-        self.cancelled_ids: set[str] = set()
+        # Ids cancelled by an operator before their message arrived here (bounded).
+        self.cancelled_ids: OrderedDict[str, None] = OrderedDict()
         # Extra deliveries of a request that is already running here (a redelivery
         # after a reconnect): acked together with the first.
         self._duplicates: dict[str, list[AbstractIncomingMessage]] = {}
+
+    def remember_cancelled(self, request_id: str, keep: int = 10_000) -> None:
+        self.cancelled_ids[request_id] = None
+        while len(self.cancelled_ids) > keep:
+            self.cancelled_ids.popitem(last=False)
 
     async def handle(
         self, message: AbstractIncomingMessage, admitted: Callable[[], None] = lambda: None
@@ -144,7 +150,7 @@ class RequestHandler:
         admitted: Callable[[], None],
     ) -> None:
         if req.id in self.cancelled_ids:
-            self.cancelled_ids.discard(req.id)
+            del self.cancelled_ids[req.id]
             await self._terminal_error(
                 message, req, received, "cancelled", CANCELLED, "cancelled by an operator"
             )

@@ -36,6 +36,7 @@ from broker.messages import RequestMessage
 from broker.publisher import ReplyPublisher
 from broker.topology import Topology, declare, redact_url
 from worker.config import EngineConfig, ServiceConfig
+from worker.control import ControlListener
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import RequestOutput, StepStats
@@ -78,6 +79,7 @@ class Service:
         self._llm = llm
         self._events = events or HandlerEvents()
         self.metrics: Metrics | None = None
+        self.control: ControlListener | None = None
         self._tasks: dict[asyncio.Task[None], AbstractIncomingMessage] = {}
         self._admitting = 0
         self._capacity_changed = asyncio.Event()
@@ -130,6 +132,8 @@ class Service:
                 self._events,
             )
             await self.engine.start()
+            self.control = ControlListener(self, publish, self.handler.publisher)
+            await self.control.start()
             self._install_signals()
             self._set_state(WorkerState.SERVING)
             self._resume.set()
@@ -338,6 +342,35 @@ class Service:
             await asyncio.wait(left, timeout=30)
         self._set_state(WorkerState.DRAINED)
         return len(left)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request: aborted at the next step if it runs here (True), otherwise
+        remembered so that its message is answered 'cancelled' when it arrives."""
+        assert self.engine is not None and self.handler is not None
+        if self.engine.is_running(request_id):
+            self.engine.abort(request_id)
+            return True
+        self.handler.remember_cancelled(request_id)
+        return False
+
+    def describe(self) -> dict[str, object]:
+        """What `kvflow workers` shows for this worker."""
+        rec = self.worker_record()
+        return {
+            "worker": rec.id,
+            "state": rec.state,
+            "host": rec.host,
+            "pid": rec.pid,
+            "device": rec.device,
+            "model": rec.model,
+            "queue": rec.queue,
+            "running": rec.running,
+            "waiting": rec.waiting,
+            "held": len(self._tasks),
+            "kv_usage": rec.kv_usage,
+            "tokens_per_s": rec.tokens_per_s,
+            "uptime_s": time.time() - self.started_at,
+        }
 
     # -- heartbeats ----------------------------------------------------------------------------
 
