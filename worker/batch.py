@@ -8,20 +8,25 @@ are written in input order, one line per input line. A bad line becomes an error
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from tqdm import tqdm
 
+from broker.messages import INVALID_REQUEST
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import RequestOutput
+from worker.ledger.store import RequestRecord
 from worker.model.sampler import TokenLogprobs
 from worker.openai_format import ParsedBody, parse_body, response_body
+from worker.outcome import Outcome, final_record, timing_of, utc
 from worker.request import TimingSummary, percentile
 
 
@@ -240,12 +245,64 @@ def timing_fields(out: RequestOutput) -> dict[str, Any]:
     return fields
 
 
+class Ledger(Protocol):
+    def record(self, rec: RequestRecord) -> None: ...
+
+
+def ledger_record(
+    item: BatchItem, engine: LLMEngine, source_name: str, started: float
+) -> RequestRecord:
+    """The item's ledger row: the same shape the queue worker writes."""
+    metadata = {"custom_id": item.custom_id, "batch": source_name, "line": item.line_no}
+    worker_id = f"run-batch:{socket.gethostname()}:{os.getpid()}"
+    out = item.output
+    if item.parsed is None or out is None or item.error is not None:
+        return RequestRecord(
+            id=item.request_id,
+            status="rejected",
+            error=item.error or "the request did not finish",
+            error_code=INVALID_REQUEST,
+            model=engine.info.model_name,
+            worker_id=worker_id,
+            received_at=utc(started),
+            finished_at=utc(time.time()),
+            metadata=metadata,
+            source="batch",
+        )
+    return final_record(
+        item.request_id,
+        out,
+        Outcome.of(out),
+        timing_of(out, started, started),
+        model=engine.info.model_name,
+        worker_id=worker_id,
+        source="batch",
+        prompt_tokens=len(item.parsed.prompt_token_ids),
+        priority=item.parsed.priority,
+        metadata=metadata,
+    )
+
+
 def run_batch_file(
-    engine: LLMEngine, input_path: Path, output: TextIO, progress: bool = True
+    engine: LLMEngine,
+    input_path: Path,
+    output: TextIO,
+    progress: bool = True,
+    ledger: Ledger | None = None,
 ) -> tuple[list[BatchItem], BatchSummary]:
+    """Read, run and write a whole batch file; every request also goes to `ledger` if given."""
+    started = time.time()
     with open(input_path, encoding="utf-8") as f:
         items = read_items(f, engine)
-    summary = run_items(engine, items, progress=progress)
+
+    def record(item: BatchItem) -> None:
+        if ledger is not None:
+            ledger.record(ledger_record(item, engine, input_path.name, started))
+
+    for item in items:
+        if item.error is not None:
+            record(item)
+    summary = run_items(engine, items, progress=progress, on_finish=record)
     for item in items:
         output.write(json.dumps(result_line(item, engine), ensure_ascii=False) + "\n")
     output.flush()

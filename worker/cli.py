@@ -105,13 +105,34 @@ def main() -> None:
 )
 @click.option("--show/--no-show", default=False, help="Print each result's text.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@click.option(
+    "--database-url",
+    default=None,
+    help="Also record every request in this ledger (as the queue worker does).",
+)
 @engine_options
-def run_batch(input_path: Path, output_path: Path, show: bool, progress: bool, **kw: Any) -> None:
+def run_batch(
+    input_path: Path,
+    output_path: Path,
+    show: bool,
+    progress: bool,
+    database_url: str | None,
+    **kw: Any,
+) -> None:
     """Run an OpenAI batch JSONL file through the engine, in process (no broker)."""
     from worker.batch import run_batch_file
     from worker.engine.engine import LLMEngine
 
     config = build_engine_config(kw)
+    ledger = None
+    if database_url:
+        from worker.ledger.migrate import DatabaseUnavailable, SchemaError
+        from worker.ledger.threaded import ThreadedLedger
+
+        try:
+            ledger = ThreadedLedger(database_url)
+        except (SchemaError, DatabaseUnavailable) as e:
+            raise click.ClickException(str(e)) from None
     try:
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError) as e:
@@ -123,10 +144,15 @@ def run_batch(input_path: Path, output_path: Path, show: bool, progress: bool, *
         err=True,
     )
     if str(output_path) == "-":
-        items, summary = run_batch_file(engine, input_path, sys.stdout, progress)
+        items, summary = run_batch_file(engine, input_path, sys.stdout, progress, ledger)
     else:
         with open(output_path, "w", encoding="utf-8") as out:
-            items, summary = run_batch_file(engine, input_path, out, progress)
+            items, summary = run_batch_file(engine, input_path, out, progress, ledger)
+    if ledger is not None:
+        lost = ledger.close()
+        if lost:
+            raise click.ClickException(f"{lost} ledger records could not be committed")
+        click.echo(f"ledger: {summary.requests} requests recorded", err=True)
     if show:
         for item in items:
             text = item.output.text if item.output is not None else f"ERROR: {item.error}"
@@ -194,10 +220,14 @@ def worker_cmd(log_level: str, **kw: Any) -> None:
 
 
 from broker.commands import submit  # noqa: E402
+from worker.admin.commands import cancel, drain, resume, scale, status, up, workers  # noqa: E402
+from worker.admin.data_commands import dlq_group, ledger_group  # noqa: E402
 from worker.ledger.commands import db  # noqa: E402
 
 main.add_command(submit)
 main.add_command(db)
+for admin_command in (workers, status, drain, resume, cancel, scale, up, dlq_group, ledger_group):
+    main.add_command(admin_command)
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -40,21 +40,10 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.outputs import RequestOutput
 from worker.ledger.store import LedgerClosed, LedgerStore, RequestRecord
 from worker.model.tokenizer import Tokenizer
+from worker.outcome import Outcome, final_record, timing_of, utc
 from worker.request import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
-
-# finish reason -> (ledger status, error code of the reply; None = a normal result)
-_OUTCOMES: dict[FinishReason | None, tuple[str, str | None]] = {
-    FinishReason.STOP: ("completed", None),
-    FinishReason.LENGTH: ("completed", None),
-    FinishReason.DEADLINE: ("expired", None),  # partial output, reported as a result
-    FinishReason.ABORT: ("cancelled", CANCELLED),
-}
-
-
-def utc(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc)
 
 
 @dataclass
@@ -236,69 +225,28 @@ class RequestHandler:
             self.requeue_ids.discard(req.id)
             await self._requeue(message, req.id)
             return
-        status, code = _OUTCOMES.get(out.finish_reason, ("failed", INTERNAL))
-        if out.error is not None:
-            status, code = "failed", INTERNAL
-        elif out.finish_reason == FinishReason.DEADLINE and not out.token_ids:
-            code = EXPIRED  # expired while waiting here, never started: an error, not a result
-        t = out.timing
-        timing = {
-            "enqueued_at": req.enqueued_at,
-            "received_at": received,
-            "admitted_at": t.admitted_at if t else None,
-            "first_token_at": t.first_token_at if t else None,
-            "finished_at": t.finished_at if t else time.time(),
-            "queue_s": t.queue_s if t else None,
-            "ttft_s": t.ttft_s if t else None,
-            "prefill_s": t.prefill_s if t else None,
-            "decode_s": t.decode_s if t else None,
-            "e2e_s": t.e2e_s if t else None,
-            "itl_mean_s": t.itl_mean_s if t else None,
-            "itl_p50_s": t.itl_p50_s if t else None,
-            "itl_p99_s": t.itl_p99_s if t else None,
-            "preemptions": t.preemptions if t else 0,
-        }
-        reason = str(out.finish_reason) if out.finish_reason else None
-        error = out.error or {
-            CANCELLED: "cancelled by an operator",
-            EXPIRED: "the request's deadline passed before it started",
-        }.get(code or "")
-        record = RequestRecord(
-            id=req.id,
-            status=status,
+        outcome = Outcome.of(out)
+        timing = timing_of(out, req.enqueued_at, received)
+        record = final_record(
+            req.id,
+            out,
+            outcome,
+            timing,
             model=self.model_name,
-            prompt_tokens=out.num_prompt_tokens or prompt_tokens,
-            completion_tokens=len(out.token_ids),
-            cached_tokens=out.num_cached_tokens,
-            output_text=out.text,
-            output_token_ids=out.token_ids,
-            finish_reason=reason,
-            error=error,
-            error_code=code,
             worker_id=self.worker_id,
-            admitted_at=utc(timing["admitted_at"]),
-            first_token_at=utc(timing["first_token_at"]),
-            finished_at=utc(timing["finished_at"]),
-            queue_s=timing["queue_s"],
-            ttft_s=timing["ttft_s"],
-            prefill_s=timing["prefill_s"],
-            decode_s=timing["decode_s"],
-            e2e_s=timing["e2e_s"],
-            itl_mean_s=timing["itl_mean_s"],
-            itl_p50_s=timing["itl_p50_s"],
-            itl_p99_s=timing["itl_p99_s"],
-            preemptions=int(timing["preemptions"] or 0),
+            source="queue",
+            prompt_tokens=prompt_tokens,
         )
         committed = self.ledger.record(record)
         if self.events.on_finished:
             self.events.on_finished(out, req)
         if req.reply_to:
-            if code is None:
+            if outcome.code is None:
                 body = encode_result(
                     req.id,
                     text=out.text,
                     token_ids=out.token_ids,
-                    finish_reason=reason or "stop",
+                    finish_reason=record.finish_reason or "stop",
                     prompt_tokens=record.prompt_tokens or 0,
                     completion_tokens=len(out.token_ids),
                     timing=timing,
@@ -306,7 +254,7 @@ class RequestHandler:
                     metadata=req.metadata,
                 )
             else:
-                body = encode_error(req.id, code, error or "the request failed")
+                body = encode_error(req.id, outcome.code, outcome.error or "the request failed")
             await self.publisher.publish(req.reply_to, req.correlation_id, body)
         await committed
         await self._ack(message, req.id)

@@ -37,16 +37,13 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why generation ended; the values are the OpenAI / vLLM `finish_reason` strings."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     DEADLINE = "deadline"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _FINISH_REASONS = {

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import aio_pika
 from aio_pika.abc import (
@@ -47,7 +47,7 @@ from worker.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
-class WorkerState(str, enum.Enum):
+class WorkerState(enum.StrEnum):
     STARTING = "starting"
     SERVING = "serving"
     DRAINING = "draining"
@@ -394,7 +394,7 @@ class Service:
             device=info.device,
             model=info.model_name,
             queue=self.config.queue,
-            started_at=datetime.fromtimestamp(self.started_at, timezone.utc),
+            started_at=datetime.fromtimestamp(self.started_at, UTC),
             running=cap.running,
             waiting=cap.waiting,
             kv_usage=cap.kv_usage,

@@ -18,10 +18,8 @@ time outside the forward pass at batch >= 32; writes JSON, a Markdown table and 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
-import pkgutil
 import sys
 import time
 from collections.abc import Callable
@@ -33,22 +31,15 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workload import Workload, make_workload
 
 from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.request import SamplingParams, percentile
 
 SYSTEMS = ("kvflow-continuous", "kvflow-static", "hf-generate", "hf-generate-batch")
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
 
 
 @dataclass
@@ -68,37 +59,6 @@ class Result:
     def q(self, name: str, p: float) -> float:
         xs = sorted(getattr(self, name))
         return percentile(xs, p) if xs else math.nan
-
-
-def corpus_tokens(tokenizer, n_tokens: int) -> list[int]:
-    """Token ids of real English text: the standard library's docstrings."""
-    import importlib
-
-    texts = []
-    for mod in sorted(m.name for m in pkgutil.iter_modules() if not m.name.startswith("_")):
-        if mod in ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"):
-            continue
-        try:
-            module = importlib.import_module(mod)
-        except Exception:
-            continue
-        for _, obj in inspect.getmembers(module):
-            doc = inspect.getdoc(obj) if callable(obj) else None
-            if doc and len(doc) > 200:
-                texts.append(doc)
-        if sum(len(t) for t in texts) > n_tokens * 6:
-            break
-    return tokenizer.encode("\n\n".join(texts), add_special_tokens=False)[:n_tokens]
-
-
-def make_workload(tokenizer, n: int, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(16, 513, n)
-    out_lens = np.clip(np.round(rng.lognormal(math.log(64), 1.0, n)), 8, 512).astype(int)
-    stream = corpus_tokens(tokenizer, 200_000)
-    starts = rng.integers(0, len(stream) - 513, n)
-    prompts = [stream[s : s + int(k)] for s, k in zip(starts, prompt_lens, strict=True)]
-    return Workload(prompts, [int(x) for x in out_lens])
 
 
 # -- kvflow --------------------------------------------------------------------------------

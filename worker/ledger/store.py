@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -68,7 +68,7 @@ def _utc(value: datetime | None, name: str) -> datetime | None:
         raise ValueError(f"{name} must be a datetime, got {type(value).__name__}")
     if value.tzinfo is None:
         raise ValueError(f"{name} must be timezone-aware (e.g. datetime.now(timezone.utc))")
-    return value.astimezone(timezone.utc)
+    return value.astimezone(UTC)
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class RequestRecord:
         values = {name: row[name] for name in _FIELDS}
         for name in _TIMESTAMPS:
             if values[name] is not None and values[name].tzinfo is None:  # SQLite
-                values[name] = values[name].replace(tzinfo=timezone.utc)
+                values[name] = values[name].replace(tzinfo=UTC)
         return cls(**values)
 
     def row(self, now: datetime) -> dict[str, Any]:
@@ -344,7 +344,7 @@ class LedgerStore:
         if queued is not None:
             return queued
         given = RequestRecord(id=id, status="running", **fields)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         values = {k: v for k, v in given.row(now).items() if k in fields and v is not None}
         stmt = _insert(self._dialect)(requests_table).values(
             id=id, status="running", attempts=1, created_at=now, updated_at=now, **values
@@ -392,14 +392,14 @@ class LedgerStore:
         out = dict(row)
         for name in (*_TIMESTAMPS, "created_at", "updated_at"):
             if out[name] is not None and out[name].tzinfo is None:  # SQLite
-                out[name] = out[name].replace(tzinfo=timezone.utc)
+                out[name] = out[name].replace(tzinfo=UTC)
         return out
 
     async def heartbeat(self, worker: WorkerRecord) -> None:
         """Upsert the worker's row. One attempt: DatabaseUnavailable if the database
         cannot be reached (a missed heartbeat is harmless; the caller may ignore it)."""
         values = {f.name: getattr(worker, f.name) for f in dataclass_fields(WorkerRecord)}
-        values["last_heartbeat"] = worker.last_heartbeat or datetime.now(timezone.utc)
+        values["last_heartbeat"] = worker.last_heartbeat or datetime.now(UTC)
         if worker.info is not None:
             values["info"] = dict(worker.info)
         stmt = _insert(self._dialect)(workers_table).values(**values)
@@ -487,7 +487,7 @@ class LedgerStore:
         for item in batch:
             old = rows.get(item.record.id)
             rows[item.record.id] = item.record if old is None else merge(old, item.record)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         try:
             await self._execute([r.row(now) for r in rows.values()])
             return {}

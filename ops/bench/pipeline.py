@@ -1,0 +1,287 @@
+"""Queue benchmark: the same workload in process and through RabbitMQ + worker + PostgreSQL.
+
+    python ops/bench/pipeline.py                     # 64 requests, then the 1-token ceiling
+    python ops/bench/pipeline.py -n 128 --ceiling 3000
+
+1. In process: `kvflow run-batch`'s path (engine driven directly, no broker, no database).
+2. Through the queue: a `kvflow worker` subprocess with the same engine settings, every
+   request published at once by `broker.Client`, results awaited from the reply queue,
+   rows in a fresh PostgreSQL schema. Output tok/s from the first publish to the last
+   result; the target is at least 90% of the in-process figure.
+3. The pipeline's ceiling: many requests of one prompt token and max_tokens=1 through the
+   queue, requests per second (target: at least 200 here).
+Writes JSON, a Markdown table and a PNG under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workload import Workload, make_workload
+
+from broker.client import Client
+from worker.batch import BatchItem, run_items
+from worker.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.ledger import migrate
+from worker.openai_format import ParsedBody
+from worker.request import SamplingParams, percentile
+
+
+def in_process(engine: LLMEngine, wl: Workload) -> dict[str, float]:
+    items = [
+        BatchItem(
+            line_no=i,
+            custom_id=f"r{i}",
+            parsed=ParsedBody(
+                "completion", p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), 0
+            ),
+        )
+        for i, (p, m) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))
+    ]
+    s = run_items(engine, items, progress=True)
+    return {
+        "output_tok_s": s.output_tok_s,
+        "wall_s": s.wall_s,
+        "ttft_p50": percentile(sorted(s.ttft), 50),
+        "ttft_p99": percentile(sorted(s.ttft), 99),
+        "e2e_p50": percentile(sorted(s.e2e), 50),
+        "e2e_p99": percentile(sorted(s.e2e), 99),
+    }
+
+
+async def through_queue(
+    amqp_url: str, queue: str, prompts: list[list[int]], max_tokens: list[int], desc: str
+) -> dict[str, float]:
+    async with await Client.connect(amqp_url, queue=queue) as client:
+        t0 = time.time()
+        handles = await asyncio.gather(
+            *(
+                client.submit(prompt_token_ids=p, max_tokens=m, temperature=0.0, ignore_eos=True)
+                for p, m in zip(prompts, max_tokens, strict=True)
+            )
+        )
+        published = time.time()
+        results = []
+        with tqdm(total=len(handles), desc=desc, unit="req", file=sys.stderr) as bar:
+            for fut in asyncio.as_completed([h.result(timeout=3600) for h in handles]):
+                results.append(await fut)
+                bar.update(1)
+        wall = time.time() - t0
+    out_tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    ttft = sorted(r["timing"]["ttft_s"] for r in results)
+    e2e = sorted(r["timing"]["e2e_s"] for r in results)
+    return {
+        "output_tok_s": out_tokens / wall,
+        "req_s": len(results) / wall,
+        "wall_s": wall,
+        "publish_s": published - t0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "e2e_p50": percentile(e2e, 50),
+        "e2e_p99": percentile(e2e, 99),
+    }
+
+
+def start_worker(args: argparse.Namespace, queue: str, db_url: str) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "worker",
+        "--queue",
+        queue,
+        "--database-url",
+        db_url,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--log-level",
+        "WARNING",
+    ]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+async def wait_ready(db_url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    from sqlalchemy import text
+
+    engine = migrate.open_engine(db_url)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with code {proc.returncode}")
+            async with engine.connect() as conn:
+                n = (
+                    await conn.execute(text("select count(*) from workers where state = 'serving'"))
+                ).scalar()
+            if n:
+                return
+            await asyncio.sleep(0.2)
+        raise TimeoutError("worker did not become ready")
+    finally:
+        await engine.dispose()
+
+
+async def fresh_schema(base_url: str) -> tuple[str, str]:
+    import asyncpg
+
+    schema = f"kvflow_bench_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(base_url.replace("postgresql+asyncpg://", "postgresql://"))
+    await conn.execute(f"create schema {schema}")
+    await conn.close()
+    sep = "&" if "?" in base_url else "?"
+    return schema, f"{base_url}{sep}options=-csearch_path%3D{schema}"
+
+
+async def drop_schema(base_url: str, schema: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(base_url.replace("postgresql+asyncpg://", "postgresql://"))
+    await conn.execute(f"drop schema if exists {schema} cascade")
+    await conn.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("-n", "--num-requests", type=int, default=64)
+    ap.add_argument("--ceiling", type=int, default=2000, help="requests for the max_tokens=1 run")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--amqp-url",
+        default=os.environ.get("KVFLOW_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    )
+    ap.add_argument(
+        "--database-url",
+        default=os.environ.get(
+            "KVFLOW_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
+    wl = make_workload(
+        engine.tokenizer,
+        args.num_requests,
+        seed=1,
+        prompt_range=(16, 256),
+        output_range=(8, 256),
+        output_median=48,
+    )
+    print(f"workload: {wl.describe()}", file=sys.stderr)
+    run_items(
+        engine,
+        [
+            BatchItem(
+                0,
+                "w",
+                parsed=ParsedBody("completion", wl.prompts[0], SamplingParams(max_tokens=2), 0),
+            )
+        ],
+        progress=False,
+    )
+    local = in_process(engine, wl)
+    del engine
+
+    schema, db_url = asyncio.run(fresh_schema(args.database_url))
+    migrate.upgrade(db_url)
+    queue = f"bench.{uuid.uuid4().hex[:8]}"
+    proc = start_worker(args, queue, db_url)
+    try:
+        asyncio.run(wait_ready(db_url, proc))
+        asyncio.run(through_queue(args.amqp_url, queue, wl.prompts[:2], [2, 2], "warm-up"))
+        queued = asyncio.run(
+            through_queue(args.amqp_url, queue, wl.prompts, wl.output_lens, "queue")
+        )
+        ceiling = asyncio.run(
+            through_queue(args.amqp_url, queue, [[1]] * args.ceiling, [1] * args.ceiling, "ceiling")
+        )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        asyncio.run(drop_schema(args.database_url, schema))
+
+    ratio = queued["output_tok_s"] / local["output_tok_s"]
+    rows = [
+        "| path | output tok/s | wall (s) | TTFT p50 / p99 (s) | e2e p50 / p99 (s) |",
+        "|---|---:|---:|---:|---:|",
+        f"| in process (run-batch) | {local['output_tok_s']:.1f} | {local['wall_s']:.1f} | {local['ttft_p50']:.2f} / {local['ttft_p99']:.2f} | {local['e2e_p50']:.2f} / {local['e2e_p99']:.2f} |",
+        f"| RabbitMQ + worker + PostgreSQL | {queued['output_tok_s']:.1f} | {queued['wall_s']:.1f} | {queued['ttft_p50']:.2f} / {queued['ttft_p99']:.2f} | {queued['e2e_p50']:.2f} / {queued['e2e_p99']:.2f} |",
+    ]
+    md = "\n".join(rows) + (
+        f"\n\nqueue path / in process: {ratio:.1%} of output tok/s (target >= 90%)\n"
+        f"pipeline ceiling: {ceiling['req_s']:.0f} requests/s with max_tokens=1 and a 1-token prompt "
+        f"({args.ceiling} requests, publishing took {ceiling['publish_s']:.1f} s; target >= 200)\n"
+    )
+    print("\n" + md)
+    (args.out / "pipeline.md").write_text(md)
+    (args.out / "pipeline.json").write_text(
+        json.dumps(
+            {"in_process": local, "queue": queued, "ceiling": ceiling, "ratio": ratio}, indent=2
+        )
+    )
+    plot(local, queued, ceiling, args.out / "pipeline.png")
+
+
+def plot(
+    local: dict[str, float], queued: dict[str, float], ceiling: dict[str, float], path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(
+        ["in process", "through the queue"],
+        [local["output_tok_s"], queued["output_tok_s"]],
+        color=["#2a7", "#27a"],
+    )
+    a.set_ylabel("output tokens / s")
+    a.set_title(
+        f"same workload: queue = {queued['output_tok_s'] / local['output_tok_s']:.0%} of in process"
+    )
+    b.bar(["max_tokens=1"], [ceiling["req_s"]], color="#a72")
+    b.axhline(200, color="k", linestyle="--", label="target 200 req/s")
+    b.set_ylabel("requests / s")
+    b.set_title("pipeline ceiling")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
