@@ -450,3 +450,22 @@ def test_cli_reports_an_unreachable_database(command: str) -> None:
     expected = f"cannot reach the database at postgresql://postgres:***@127.0.0.1:{port}/postgres: connection refused"
     assert expected in proc.stderr
     assert PASSWORD not in proc.stdout + proc.stderr
+
+
+async def test_mark_received_many_at_once_each_answered(ledger_url: str) -> None:
+    """Concurrent marks are written together, and marks made while a batch is in flight
+    are not lost (each caller gets its answer)."""
+    ids = [_uid() for _ in range(50)]
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0) as store:
+        await store.record(RequestRecord(ids[0], "completed", output_text="done"))
+        first = asyncio.gather(*(store.mark_received(i, worker_id="w") for i in ids[:25]))
+        await asyncio.sleep(0)  # the first round is in flight...
+        second = asyncio.gather(*(store.mark_received(i, worker_id="w") for i in ids[25:]))
+        got = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        results = got[0] + got[1]
+        assert results[0] is not None and results[0].status == "completed"
+        assert all(r is None for r in results[1:])
+        again = await asyncio.wait_for(store.mark_received(ids[1], worker_id="w2"), 30)
+        assert again is None
+        row = await store.get(ids[1])
+        assert row is not None and row["attempts"] == 2 and row["worker_id"] == "w2"

@@ -103,7 +103,11 @@ def open_engine(url: str, *, timeout_s: float = 10.0) -> AsyncEngine:
     if isinstance(options, str):  # libpq's `options`, sent as the startup parameter
         args["server_settings"] = {"options": options}
         u = u.difference_update_query(["options"])
-    return create_async_engine(u, pool_pre_ping=True, connect_args=args)
+    # No pre-ping: it costs a round trip per transaction, and the store retries
+    # transient errors (a stale pooled connection is one) anyway.
+    return create_async_engine(
+        u, pool_size=10, max_overflow=20, pool_recycle=600, connect_args=args
+    )
 
 
 def describe_error(exc: BaseException, url: str | URL) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, and_, case, func, literal_column, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.ledger.migrate import (
     check_schema_async,
@@ -197,6 +197,13 @@ class Latency:
 
 
 @dataclass
+class _Mark:
+    record: RequestRecord
+    fields: frozenset[str]
+    future: asyncio.Future[RequestRecord | None]
+
+
+@dataclass
 class _Pending:
     record: RequestRecord
     future: asyncio.Future[None] = field(repr=False)
@@ -214,6 +221,18 @@ def _sql(status: str) -> ColumnElement[Any]:
 
 def _is_final(status: ColumnElement[Any]) -> ColumnElement[bool]:
     return status.in_([_sql(s) for s in TERMINAL_STATUSES])
+
+
+def _mark_requests(dialect: str) -> Any:
+    """mark_received's upsert: a new row, or 'running' with attempts + 1 unless final.
+    Columns given as NULL keep their stored value."""
+    stmt = _insert(dialect)(requests_table)
+    t, ex = requests_table.c, stmt.excluded
+    set_: dict[str, Any] = {name: func.coalesce(ex[name], t[name]) for name in _MERGED}
+    set_.update(status="running", attempts=t.attempts + 1, updated_at=ex.updated_at)
+    return stmt.on_conflict_do_update(
+        index_elements=[t.id], set_=set_, where=~_is_final(t.status)
+    ).returning(t.id)
 
 
 def _upsert_requests(dialect: str) -> Any:
@@ -256,11 +275,14 @@ class LedgerStore:
         self._url = url
         self._dialect = engine.dialect.name
         self._upsert = _upsert_requests(self._dialect)
+        self._mark_stmt = _mark_requests(self._dialect)
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._retry_max_s = retry_max_s
         self._queue: deque[_Pending] = deque()
         self._queued_terminal: dict[str, RequestRecord] = {}
+        self._marks: list[_Mark] = []
+        self._mark_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._full = asyncio.Event()
         self._closing = False
@@ -344,37 +366,81 @@ class LedgerStore:
         if queued is not None:
             return queued
         given = RequestRecord(id=id, status="running", **fields)
-        now = datetime.now(UTC)
-        values = {k: v for k, v in given.row(now).items() if k in fields and v is not None}
-        stmt = _insert(self._dialect)(requests_table).values(
-            id=id, status="running", attempts=1, created_at=now, updated_at=now, **values
-        )
-        t = requests_table.c
-        set_: dict[str, Any] = {k: stmt.excluded[k] for k in values}
-        set_.update(status="running", attempts=t.attempts + 1, updated_at=now)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[t.id], set_=set_, where=~_is_final(t.status)
-        ).returning(t.id)
+        future: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
+        self._marks.append(_Mark(given, frozenset(fields), future))
+        if self._mark_task is None or self._mark_task.done():
+            self._mark_task = asyncio.create_task(self._mark_loop(), name="ledger-marks")
+        return await future
 
-        async def run(conn: AsyncConnection) -> RequestRecord | None:
-            if (await conn.execute(stmt)).first() is not None:
-                return None
-            row = (await conn.execute(select(requests_table).where(t.id == id))).mappings()
-            return RequestRecord.from_row(row.one())
-
+    async def _mark_loop(self) -> None:
+        """Write the pending marks, many per statement: deliveries arrive in bursts, and
+        one transaction per delivery would cap the worker's intake."""
+        await asyncio.sleep(0)  # let the calls made in this loop iteration join
         delay = 0.05
-        while True:
+        while self._marks:
+            # One round takes the first pending delivery of each id (a second delivery of
+            # the same id, rare, goes in the next round so attempts counts both).
+            batch: list[_Mark] = []
+            rest: list[_Mark] = []
+            ids: set[str] = set()
+            for m in self._marks:
+                if m.future.done():
+                    continue  # the caller gave up
+                if m.record.id in ids or len(batch) >= self._batch_size:
+                    rest.append(m)
+                else:
+                    ids.add(m.record.id)
+                    batch.append(m)
+            # Marks made while this batch is written join the next round.
+            self._marks = rest
+            if not batch:
+                break
             try:
-                async with self._engine.begin() as conn:
-                    result = await run(conn)
-                self._recovered()
-                return result
+                found = await self._mark_batch(batch)
             except Exception as e:
                 if not is_transient(e):
-                    raise
+                    for m in batch:
+                        if not m.future.done():
+                            m.future.set_exception(e)
+                    continue
                 self._failed(e)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._retry_max_s)
+                self._marks = batch + self._marks
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+                continue
+            delay = 0.05
+            self._recovered()
+            for m in batch:
+                if not m.future.done():
+                    m.future.set_result(found.get(m.record.id))
+
+    async def _mark_batch(self, batch: list[_Mark]) -> dict[str, RequestRecord]:
+        """Upsert the marks in one round trip; returns the rows that were already final."""
+        now = datetime.now(UTC)
+        rows = []
+        for m in batch:
+            full = m.record.row(now)
+            given = {k: (full[k] if k in m.fields else None) for k in _MERGED}
+            rows.append(
+                {
+                    **given,
+                    "id": m.record.id,
+                    "status": "running",
+                    "attempts": 1,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+            )
+        t = requests_table.c
+        async with self._engine.begin() as conn:
+            # executemany with RETURNING: one compiled statement, batched by the driver.
+            result = await conn.execute(self._mark_stmt, rows)
+            went_ahead = {r[0] for r in result}
+            final_ids = [m.record.id for m in batch if m.record.id not in went_ahead]
+            if not final_ids:
+                return {}
+            res = await conn.execute(select(requests_table).where(t.id.in_(final_ids)))
+            return {row["id"]: RequestRecord.from_row(row) for row in res.mappings()}
 
     async def get(self, id: str) -> dict[str, Any] | None:
         """The `requests` row for `id` as a dict, or None. One attempt:
