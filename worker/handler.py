@@ -80,6 +80,8 @@ class RequestHandler:
         self.events = events or HandlerEvents()
         # Ids to give back to the queue instead of cancelling (drain, shutdown).
         self.requeue_ids: set[str] = set()
+        # False once a drain gives up waiting: requests not yet in the engine go back.
+        self.accepting = True
         # Ids cancelled by an operator before their message arrived here (bounded).
         self.cancelled_ids: OrderedDict[str, None] = OrderedDict()
         # Extra deliveries of a request that is already running here (a redelivery
@@ -172,6 +174,23 @@ class RequestHandler:
             tokens = await self._tokens(req)
             fields = {"max_tokens": self.config.default_max_tokens, **req.sampling}
             params = SamplingParams(**fields)
+        except (ValueError, TypeError) as e:
+            await self._reject(
+                message, req.id, INVALID_REQUEST, str(e), req.reply_to, req.correlation_id, received
+            )
+            return
+        # Checked again here: a cancel or a drain may have come while this request was
+        # being recorded and tokenized.
+        if req.id in self.cancelled_ids:
+            del self.cancelled_ids[req.id]
+            await self._terminal_error(
+                message, req, received, "cancelled", CANCELLED, "cancelled by an operator"
+            )
+            return
+        if not self.accepting:
+            await self._requeue(message, req.id)
+            return
+        try:
             stream = self.engine.add_request(
                 req.id,
                 tokens,

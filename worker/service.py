@@ -261,6 +261,11 @@ class Service:
                 pause = min(pause * 2, self.config.poll_max_s)
                 continue
             pause = 0.002
+            if not self._resume.is_set() or self._stop.is_set():
+                # A drain began while this pull was in flight: give the message back.
+                with contextlib.suppress(Exception):
+                    await message.nack(requeue=True)
+                continue
             self.pulled += 1
             self._spawn(message)
 
@@ -319,6 +324,8 @@ class Service:
     def resume(self) -> None:
         if self.state in (WorkerState.DRAINING, WorkerState.DRAINED):
             self._set_state(WorkerState.SERVING)
+        if self.handler is not None:
+            self.handler.accepting = True
         self._resume.set()
         self._capacity_changed.set()
 
@@ -334,6 +341,7 @@ class Service:
             await asyncio.wait(tasks, timeout=timeout_s)
         left = [t for t in self._tasks if not t.done()]
         if left:
+            self.handler.accepting = False
             ids = self.engine.request_ids()
             log.warning("drain timeout: requeueing %d unfinished requests", len(ids))
             self.handler.requeue_ids.update(ids)
@@ -399,7 +407,11 @@ class Service:
             waiting=cap.waiting,
             kv_usage=cap.kv_usage,
             tokens_per_s=self.tokens_per_s(),
-            info={"held": len(self._tasks), "max_num_seqs": self.engine_config.max_num_seqs},
+            info={
+                "held": len(self._tasks),
+                "max_num_seqs": self.engine_config.max_num_seqs,
+                "heartbeat_s": self.config.heartbeat_s,
+            },
         )
 
     async def _heartbeat_once(self) -> None:

@@ -236,14 +236,16 @@ class Env:
 
         await eventually(beating, "the workers' first heartbeats", timeout=READY_TIMEOUT_S)
 
-    async def kvflow(self, *args: str, timeout: float = CLI_TIMEOUT_S, **env: str) -> Cli:
+    async def kvflow(
+        self, *args: str, timeout: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None
+    ) -> Cli:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "worker.cli",
             *args,
             cwd=REPO,
-            env=self.env(**env),
+            env=self.env(**(env or {})),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -398,22 +400,24 @@ async def test_drain_finishes_running_work_then_resume_serves_the_rest(env: Env)
 
 @pytest.mark.timeout(150)
 async def test_drain_past_its_timeout_requeues_and_resume_completes(env: Env) -> None:
-    w = env.worker("requeue", max_num_seqs=2)
+    w = env.worker("requeue", max_num_seqs=8)
     await env.ready(w)
-    handles = [await env.submit_long(f"r-{i}", 240) for i in range(4)]
+    n = 24  # three full batches: about 2 s each here
+    handles = [await env.submit_long(f"r-{i}", 240) for i in range(n)]
 
-    async def two_running() -> bool:
-        return len(await env.running_on(w.name)) == 2
+    async def batch_running() -> bool:
+        return len(await env.running_on(w.name)) >= 8
 
-    await eventually(two_running, "two requests running", every=0.02)
-    doc = (await env.kvflow("drain", "--all", "--timeout", "0.5", "--json")).ok().json
+    await eventually(batch_running, "a full batch running", every=0.02)
+    drain = ("drain", "--all", "--window", "1", "--timeout", "0.5", "--json")
+    doc = (await env.kvflow(*drain)).ok().json
     assert doc["targets"] == [w.name], doc  # --all: the workers of this queue only
     info = doc["drained"][0]["info"]
     assert info["state"] == "drained" and info["requeued"] >= 2, info
     assert info["running"] == 0 and info["held"] == 0, info
 
     async def requeued() -> bool:
-        return await env.ready_count() == 4 - await _completed(env)
+        return await env.ready_count() == n - await _completed(env)
 
     await eventually(requeued, "the unfinished requests back in the queue", timeout=20)
     assert await env.dead_count() == 0, "a drained request was dead-lettered"
@@ -735,7 +739,7 @@ async def test_every_command_fails_cleanly_when_a_service_is_down(env: Env) -> N
     ]
     runs = [(args, no_rabbit, "cannot reach RabbitMQ at") for args in broker_commands]
     runs += [(args, no_db, "cannot reach the database at") for args in database_commands]
-    outcomes = await asyncio.gather(*(env.kvflow(*args, **bad) for args, bad, _ in runs))
+    outcomes = await asyncio.gather(*(env.kvflow(*args, env=bad) for args, bad, _ in runs))
     for (args, _, message), got in zip(runs, outcomes, strict=True):
         text = got.out + got.err
         assert got.code == 1, f"kvflow {' '.join(args)} -> {got.code}\n{text}"

@@ -298,7 +298,16 @@ async def _cancel(ends: Endpoints, rid: str, timeout: float, window: float) -> d
             return {**doc, "status": status, "outcome": "already_finished"}
         # Broadcast either way: a worker may be receiving the message right now, and
         # remembering the id is what makes it skip the message when it arrives.
-        async with await ControlClient.open(ends.amqp_url, ends.topology) as control:
+        try:
+            control = await ControlClient.open(ends.amqp_url, ends.topology)
+        except ConnectionError as e:
+            if not written:
+                raise
+            raise AdminError(
+                f"request {rid} is marked cancelled in the ledger (a worker that receives it "
+                f"will skip it), but the cancel could not be broadcast: {e}"
+            ) from None
+        async with control:
             heard: set[str] = set()
             while True:
                 if doc["running_on"] is None:
@@ -426,7 +435,13 @@ def scale(n: int, wait: bool, window: float, timeout: float, as_json: bool, **kw
     "up",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.option("--workers", "n", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option(
+    "--workers",
+    "n",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Workers to keep [default: one per device, else 1].",
+)
 @click.option("--devices", default=None, help="Comma-separated device ids, e.g. 0,1.")
 @click.option(
     "--stop-timeout",
@@ -441,7 +456,7 @@ def scale(n: int, wait: bool, window: float, timeout: float, as_json: bool, **kw
 @connection_options
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 def up(
-    n: int,
+    n: int | None,
     devices: str | None,
     stop_timeout: float,
     log_level: str,
@@ -457,13 +472,14 @@ def up(
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ends = endpoints(kw)
+    device_ids = tuple(d.strip() for d in devices.split(",")) if devices else ()
     try:
         config = SupervisorConfig(
-            workers=n,
+            workers=n if n is not None else max(len(device_ids), 1),
             amqp_url=ends.amqp_url,
             queue=ends.queue,
             database_url=ends.database_url,
-            devices=tuple(d.strip() for d in devices.split(",")) if devices else (),
+            devices=device_ids,
             worker_args=worker_args,
             stop_timeout_s=stop_timeout,
         )

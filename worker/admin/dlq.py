@@ -174,13 +174,17 @@ async def _replay_one(
 ) -> ReplayOutcome:
     rid = m.message_id
     reset, before = (False, None)
-    if rid:
-        reset, before = await ledger.reset_for_replay(rid)
     try:
+        if rid:
+            reset, before = await ledger.reset_for_replay(rid)
         outcome = await exchange.publish(republished(m), routing_key=topo.queue, mandatory=True)
     except aiormq.exceptions.DeliveryError as e:
         await m.nack(requeue=True)
         return ReplayOutcome(rid, False, reset, before, f"the broker refused it: {e}")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await m.nack(requeue=True)
+        raise
     if isinstance(outcome, aiormq.abc.DeliveredMessage):  # returned: unroutable
         await m.nack(requeue=True)
         return ReplayOutcome(

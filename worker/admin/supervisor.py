@@ -251,9 +251,13 @@ class Supervisor:
             child = self.children.get(wid)
             if child is None or child.proc.returncode is not None:
                 return False
-            replies = await self._control.call(
-                ControlCommand("ping", target=wid), timeout=1.0, enough=bool
-            )
+            try:
+                replies = await self._control.call(
+                    ControlCommand("ping", target=wid), timeout=1.0, enough=bool
+                )
+            except Exception as e:  # the broker went away: the worker is not known ready
+                log.warning("could not ping worker %s: %s", wid, e)
+                return False
             if replies:
                 return True
         return False
@@ -293,10 +297,15 @@ class Supervisor:
         before = len(self.live())
         await self._reply(reply_to, cmd, info={**self.describe(), "from": before, "to": n})
         log.info("%s: scale %d -> %d", self.id, before, n)
-        async with self._lock:
-            self.target = n
-            started, stopped = await self._scale_to(n)
-            ready = await asyncio.gather(*(self._ready(w) for w in started))
+        try:
+            async with self._lock:
+                self.target = n
+                started, stopped = await self._scale_to(n)
+                ready = await asyncio.gather(*(self._ready(w) for w in started))
+        except Exception as e:
+            log.exception("scale to %d failed", n)
+            await self._reply(reply_to, cmd, ok=False, event="done", error=str(e))
+            return
         not_ready = [w for w, ok in zip(started, ready, strict=True) if not ok]
         info = {**self.describe(), "from": before, "to": n, "started": started}
         info |= {"stopped": stopped, "not_ready": not_ready}
