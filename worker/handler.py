@@ -36,7 +36,7 @@ from broker.messages import (
 )
 from broker.publisher import ReplyPublisher
 from worker.config import ServiceConfig
-from worker.engine.async_engine import AsyncEngine
+from worker.engine.async_engine import EngineFront
 from worker.engine.outputs import RequestOutput
 from worker.ledger.store import LedgerClosed, LedgerStore, RequestRecord
 from worker.model.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ class RequestHandler:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineFront,
         tokenizer: Tokenizer,
         ledger: LedgerStore,
         publisher: ReplyPublisher,

@@ -37,9 +37,10 @@ from broker.publisher import ReplyPublisher
 from broker.topology import Topology, declare, redact_url
 from worker.config import EngineConfig, ServiceConfig
 from worker.control import ControlListener
-from worker.engine.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine, EngineFront
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import RequestOutput, StepStats
+from worker.engine.process_engine import ProcessEngine
 from worker.handler import HandlerEvents, RequestHandler
 from worker.ledger.store import LedgerStore, WorkerRecord
 from worker.metrics import Metrics
@@ -87,7 +88,7 @@ class Service:
         self._resume = asyncio.Event()
         self._tok_window: deque[tuple[float, int]] = deque(maxlen=256)
         self.stats_listeners: list[Callable[[StepStats], None]] = []
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | ProcessEngine | None = None
         self.handler: RequestHandler | None = None
         self.ledger: LedgerStore | None = None
         self.connection: AbstractRobustConnection | None = None
@@ -115,20 +116,23 @@ class Service:
             publish = await self.connection.channel(publisher_confirms=True)
             declared = await declare(publish, self.topology)
             self.queue = await consume.get_queue(declared.queue.name, ensure=False)
-            llm = self._llm
-            if llm is None:
-                llm = await asyncio.to_thread(LLMEngine, self.engine_config)
-            self._start_metrics(llm.info.model_name)
-            self.engine = AsyncEngine(llm)
+            # The step loop runs in its own process (no GIL shared with this event
+            # loop) unless an engine object was handed in (tests).
+            front: EngineFront
+            if self._llm is not None:
+                front = self.engine = AsyncEngine(self._llm)
+            else:
+                front = self.engine = await ProcessEngine.launch(self.engine_config)
+            self._start_metrics(front.info.model_name)
             self.engine.add_stats_listener(self._on_step)
             self.handler = RequestHandler(
                 self.engine,
-                llm.tokenizer,
+                front.tokenizer,
                 self.ledger,
                 ReplyPublisher(publish),
                 cfg,
                 self.worker_id,
-                llm.info.model_name,
+                front.info.model_name,
                 self._events,
             )
             await self.engine.start()
@@ -141,8 +145,8 @@ class Service:
                 "worker %s serving %s (%s on %s): broker %s",
                 self.worker_id,
                 cfg.queue,
-                llm.info.model_name,
-                llm.info.device,
+                front.info.model_name,
+                front.info.device,
                 redact_url(cfg.amqp_url),
             )
             beat = asyncio.create_task(self._heartbeats(), name="heartbeat")
@@ -393,7 +397,7 @@ class Service:
     def worker_record(self) -> WorkerRecord:
         assert self.engine is not None
         cap = self.engine.capacity()
-        info = self.engine.engine.info
+        info = self.engine.info
         return WorkerRecord(
             id=self.worker_id,
             state=self.state.value if self.state != WorkerState.STARTING else "serving",

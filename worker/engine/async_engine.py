@@ -1,8 +1,13 @@
-"""asyncio front of the engine: the step loop runs in its own thread.
+"""asyncio front of the engine; the step loop runs in its own thread or process.
 
-The event loop never waits for a step. Commands (add, abort) go to the engine thread
-through a queue and take effect at the next step boundary; each step's outputs come
-back in one `call_soon_threadsafe` and are routed to per-request streams.
+The event loop never waits for a step. Commands (add, abort) reach the step loop
+through a queue (thread) or a pipe (process) and take effect at the next step boundary;
+each step's outputs come back as one `StepReport` and are routed to per-request streams.
+
+`AsyncEngine` runs the step loop in a thread of this process (simple, shares the model
+object: tests, run-batch-like tools). `worker.engine.process_engine.ProcessEngine` runs it
+in a child process, so the step loop and the event loop never contend for the GIL: what
+the queue worker uses.
 """
 
 from __future__ import annotations
@@ -14,19 +19,21 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from worker.engine.engine import Capacity, LLMEngine
+from worker.engine.engine import Capacity, LLMEngine, RequestLimits
+from worker.engine.model_runner import RuntimeInfo
 from worker.engine.outputs import RequestOutput, StepStats
+from worker.model.tokenizer import Tokenizer
 from worker.request import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Add:
+class Add:
     request_id: str
-    prompt_token_ids: Sequence[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float | None
     priority: int
@@ -34,12 +41,114 @@ class _Add:
 
 
 @dataclass(frozen=True)
-class _Abort:
+class Abort:
     request_ids: tuple[str, ...]
 
 
-class _Stop:
+@dataclass(frozen=True)
+class Stop:
     pass
+
+
+Command = Add | Abort | Stop
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the step loop sends back after applying commands and (maybe) stepping."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats | None
+    capacity: Capacity
+    added_tokens: int = 0  # prompt tokens of the adds applied since the last report
+    added: int = 0
+    stopped: bool = False
+    error: str | None = None
+
+
+@dataclass
+class StepDriver:
+    """Drives an LLMEngine: commands at step boundaries, then a step, then a report.
+
+    `next_commands(block)` returns pending commands, waiting for one when `block`;
+    `report(r)` sends a StepReport back to the front.
+    """
+
+    engine: LLMEngine
+    next_commands: Callable[[bool], list[Command]]
+    report: Callable[[StepReport], None]
+    _pending_tokens: int = field(default=0, init=False)
+    _pending: int = field(default=0, init=False)
+
+    def run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                cmds = self.next_commands(not engine.has_unfinished())
+                outputs: list[RequestOutput] = []
+                if self._apply(cmds, outputs):
+                    outputs += engine.abort(list(engine.scheduler.requests))
+                    self._send(outputs, None, stopped=True)
+                    return
+                stats = None
+                if engine.has_unfinished():
+                    outputs += engine.step()
+                    stats = engine.last_stats
+                    if stats is not None and stats.batch_size == 0 and not outputs:
+                        time.sleep(0.001)  # nothing could be placed: don't spin
+                if outputs or stats is not None or self._pending:
+                    self._send(outputs, stats)
+        except BaseException as e:  # the loop must never die silently
+            log.exception("engine step loop failed")
+            self._send([], None, stopped=True, error=f"engine failure: {e!r}")
+
+    def _send(
+        self,
+        outputs: list[RequestOutput],
+        stats: StepStats | None,
+        stopped: bool = False,
+        error: str | None = None,
+    ) -> None:
+        self.report(
+            StepReport(
+                outputs,
+                stats,
+                self.engine.capacity(),
+                self._pending_tokens,
+                self._pending,
+                stopped,
+                error,
+            )
+        )
+        self._pending_tokens = self._pending = 0
+
+    def _apply(self, cmds: list[Command], outputs: list[RequestOutput]) -> bool:
+        """Apply commands; True when asked to stop."""
+        stop = False
+        for cmd in cmds:
+            if isinstance(cmd, Add):
+                self._pending_tokens += len(cmd.prompt_token_ids)
+                self._pending += 1
+                try:
+                    self.engine.add_request(
+                        cmd.request_id,
+                        cmd.prompt_token_ids,
+                        cmd.params,
+                        arrival_time=cmd.arrival_time,
+                        priority=cmd.priority,
+                        deadline=cmd.deadline,
+                    )
+                except ValueError as e:
+                    outputs.append(
+                        RequestOutput(
+                            cmd.request_id, "", [], True, FinishReason.ABORT, error=str(e)
+                        )
+                    )
+            elif isinstance(cmd, Abort):
+                outputs += self.engine.abort(cmd.request_ids)
+            else:
+                stop = True
+        return stop
 
 
 class RequestStream:
@@ -72,49 +181,33 @@ class RequestStream:
         return last
 
 
-class AsyncEngine:
-    """Runs an LLMEngine in a dedicated thread; safe to call from one event loop."""
+class EngineFront:
+    """The asyncio side shared by both step-loop hosts: streams, capacity, routing.
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+    Safe to call from one event loop. Subclasses start the step loop and implement
+    `_send(command)`; they call `_on_report` (on the event loop) with each StepReport.
+    """
+
+    def __init__(
+        self, info: RuntimeInfo, limits: RequestLimits, tokenizer: Tokenizer, capacity: Capacity
+    ) -> None:
+        self.info = info
+        self.limits = limits
+        self.tokenizer = tokenizer
         self._streams: dict[str, RequestStream] = {}
-        self._pending_tokens = 0  # prompt tokens submitted but not yet seen by the engine
-        self._pending_count = 0
-        self._capacity = engine.capacity()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._capacity = capacity
+        self._pending_tokens = 0  # prompt tokens submitted but not yet in a report
+        self._pending = 0
         self._stats_listeners: list[Callable[[StepStats], None]] = []
-        self.error: BaseException | None = None
+        self._running = False
+        self.error: str | None = None
 
-    # -- lifecycle -----------------------------------------------------------------------
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        """Stop the step loop (running requests are aborted)."""
-        if self._thread is None:
-            return
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
-
-    async def __aenter__(self) -> AsyncEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
 
     def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
         """fn(stats) is called on the event loop after every step."""
         self._stats_listeners.append(fn)
-
-    # -- requests ------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -130,24 +223,25 @@ class AsyncEngine:
 
         Raises ValueError at once for a request the engine could never serve.
         """
-        if self._thread is None:
-            raise RuntimeError("the engine is not running")
+        if not self._running:
+            raise RuntimeError(
+                f"the engine is not running{': ' + self.error if self.error else ''}"
+            )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.validate(prompt_token_ids, params)
+        self.limits.validate(prompt_token_ids, params)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        with self._lock:
-            self._pending_tokens += len(prompt_token_ids)
-            self._pending_count += 1
-        self._commands.put(
-            _Add(request_id, list(prompt_token_ids), params, arrival_time, priority, deadline)
+        self._pending_tokens += len(prompt_token_ids)
+        self._pending += 1
+        self._send(
+            Add(request_id, list(prompt_token_ids), params, arrival_time, priority, deadline)
         )
         return stream
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step boundary (its stream gets a final 'abort')."""
-        self._commands.put(_Abort((request_id,)))
+        self._send(Abort((request_id,)))
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -161,107 +255,95 @@ class AsyncEngine:
         return len(self._streams)
 
     def capacity(self) -> Capacity:
-        """The engine's capacity as of its last step, minus work submitted since."""
-        with self._lock:
-            cap, tokens, count = self._capacity, self._pending_tokens, self._pending_count
+        """The engine's capacity as of its last report, minus work submitted since."""
+        cap = self._capacity
         return Capacity(
             free_blocks=cap.free_blocks,
             total_blocks=cap.total_blocks,
             block_size=cap.block_size,
             running=cap.running,
-            waiting=cap.waiting + count,
-            free_seqs=max(0, cap.free_seqs - count),
-            waiting_tokens=cap.waiting_tokens + tokens,
+            waiting=cap.waiting + self._pending,
+            free_seqs=max(0, cap.free_seqs - self._pending),
+            waiting_tokens=cap.waiting_tokens + self._pending_tokens,
             kv_usage=cap.kv_usage,
         )
 
-    # -- the engine thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                # Block only when there is nothing to step.
-                cmds = [self._commands.get()] if not engine.has_unfinished() else []
-                while True:
-                    try:
-                        cmds.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                outputs: list[RequestOutput] = []
-                if self._apply(cmds, outputs):
-                    outputs += engine.abort(list(engine.scheduler.requests))
-                    self._deliver(outputs, None)
-                    return
-                stats = None
-                if engine.has_unfinished():
-                    outputs += engine.step()
-                    stats = engine.last_stats
-                    if stats is not None and stats.batch_size == 0 and not outputs:
-                        time.sleep(0.001)  # nothing could be placed: don't spin
-                with self._lock:
-                    self._capacity = engine.capacity()
-                if outputs or stats is not None:
-                    self._deliver(outputs, stats)
-        except BaseException as e:  # the loop must never die silently
-            log.exception("engine step loop failed")
-            self.error = e
-            failed = [
-                RequestOutput(rid, "", [], True, FinishReason.ABORT, error=f"engine failure: {e!r}")
-                for rid in list(self._streams)
-            ]
-            self._deliver(failed, None)
-
-    def _apply(self, cmds: list[_Add | _Abort | _Stop], outputs: list[RequestOutput]) -> bool:
-        """Apply queued commands; True when asked to stop."""
-        stop = False
-        added_tokens = added = 0
-        for cmd in cmds:
-            if isinstance(cmd, _Add):
-                added_tokens += len(cmd.prompt_token_ids)
-                added += 1
-                try:
-                    self.engine.add_request(
-                        cmd.request_id,
-                        cmd.prompt_token_ids,
-                        cmd.params,
-                        arrival_time=cmd.arrival_time,
-                        priority=cmd.priority,
-                        deadline=cmd.deadline,
-                    )
-                except ValueError as e:
-                    outputs.append(
-                        RequestOutput(
-                            cmd.request_id, "", [], True, FinishReason.ABORT, error=str(e)
-                        )
-                    )
-            elif isinstance(cmd, _Abort):
-                outputs += self.engine.abort(cmd.request_ids)
-            else:
-                stop = True
-        if added:
-            with self._lock:
-                self._pending_tokens -= added_tokens
-                self._pending_count -= added
-        return stop
-
-    def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        if self._loop is None or self._loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # loop closed between check and call
-            self._loop.call_soon_threadsafe(self._route, outputs, stats)
-
-    def _route(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        for out in outputs:
+    def _on_report(self, r: StepReport) -> None:
+        self._capacity = r.capacity
+        self._pending_tokens = max(0, self._pending_tokens - r.added_tokens)
+        self._pending = max(0, self._pending - r.added)
+        for out in r.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
             stream._put(out)
-        if stats is not None:
+        if r.stats is not None:
             for fn in self._stats_listeners:
                 try:
-                    fn(stats)
+                    fn(r.stats)
                 except Exception:
                     log.exception("stats listener failed")
+        if r.error is not None:
+            self._fail_all(r.error)
+
+    def _fail_all(self, error: str) -> None:
+        """The step loop is gone: every open stream ends with the error."""
+        self.error = error
+        self._running = False
+        for rid, stream in list(self._streams.items()):
+            stream._put(RequestOutput(rid, "", [], True, FinishReason.ABORT, error=error))
+        self._streams.clear()
+
+
+class AsyncEngine(EngineFront):
+    """Runs an LLMEngine in a dedicated thread of this process."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine.info, engine.limits, engine.tokenizer, engine.capacity())
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        driver = StepDriver(self.engine, self._next_commands, self._report)
+        self._thread = threading.Thread(target=driver.run, name="kvflow-engine", daemon=True)
+        self._running = True
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the step loop (running requests are aborted)."""
+        if self._thread is None:
+            return
+        self._commands.put(Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        self._running = False
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _send(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def _next_commands(self, block: bool) -> list[Command]:
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _report(self, r: StepReport) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # loop closed between check and call
+            loop.call_soon_threadsafe(self._on_report, r)

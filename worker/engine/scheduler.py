@@ -44,6 +44,15 @@ from worker.engine.policy import make_policy
 from worker.request import Request, RequestStatus
 
 
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """ValueError unless a prompt this long can ever run (and leave room for a token)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens; this engine takes prompts "
+            f"of at most {max_model_len - 1} tokens (model context / KV capacity)"
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -80,11 +89,7 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """ValueError unless a prompt this long can ever run (and leave room for a token)."""
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens; this engine takes prompts "
-                f"of at most {self.max_model_len - 1} tokens (model context / KV capacity)"
-            )
+        check_prompt_fits(num_prompt_tokens, self.max_model_len)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus
