@@ -430,3 +430,17 @@ def test_empty_batch() -> None:
 def test_invalid_input(logits: torch.Tensor, n_rows: int) -> None:
     with pytest.raises(ValueError):
         sample(logits, [row(SamplingParams())] * n_rows)
+
+
+def test_mixed_seeded_and_unseeded_rows() -> None:
+    """In one batch, seeded rows keep their own draws and unseeded rows still follow
+    the softmax (the two use different sampling paths)."""
+    n, temperature = 3000, 0.9
+    x = torch.tensor([0.3, 1.2, -0.5, 0.8, 0.0, -1.5])
+    seeded = [SamplingParams(temperature=temperature, seed=s) for s in range(8)]
+    alone = sample(x.expand(8, -1), [row(q) for q in seeded]).token_ids
+    params = [SamplingParams(temperature=temperature) for _ in range(n)]
+    mixed = seeded[:4] + params + seeded[4:]
+    tokens = sample(x.expand(len(mixed), -1), [row(q) for q in mixed]).token_ids
+    assert tokens[:4] + tokens[-4:] == alone
+    assert_matches(Counter(tokens[4:-4]), torch.softmax(x / temperature, -1), torch.softmax(x, -1))

@@ -121,11 +121,39 @@ class Sampler:
         return _output(logits, rows, tokens)
 
     def _race_full(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The race over the whole vocabulary: logits x [R, V] -> token ids [R]."""
+        """Sampling over the whole vocabulary: logits x [R, V] -> token ids [R].
+
+        Seeded rows race (their draws depend on their seed alone); unseeded rows use the
+        inverse CDF, one uniform per row instead of one per vocabulary entry (~10x
+        cheaper on CPU for a 50k vocabulary, the same distribution).
+        """
         inv_t = _inverse_temperatures(rows, x.device)  # [R, 1]
-        # [R, V] unnormalised probabilities of x / T; the race ignores the normaliser.
+        # [R, V] unnormalised probabilities of x / T; neither method needs the normaliser.
         q = (x - x.amax(-1, keepdim=True)).mul_(inv_t).exp_()
-        return _argmax(q.div_(self._race_times(rows, x.shape[1], x.device)))
+        seeded = [j for j, r in enumerate(rows) if r.params.seed is not None]
+        if not seeded:
+            return self._inverse_cdf(q)
+        if len(seeded) == len(rows):
+            return _argmax(q.div_(self._race_times(rows, x.shape[1], x.device)))
+        out = torch.empty(len(rows), dtype=torch.int64, device=x.device)
+        s_idx = _index(seeded, x.device)
+        plain = [j for j in range(len(rows)) if rows[j].params.seed is None]
+        p_idx = _index(plain, x.device)
+        qs = q.index_select(0, s_idx)
+        out[s_idx] = _argmax(
+            qs.div_(self._race_times([rows[j] for j in seeded], x.shape[1], x.device))
+        )
+        out[p_idx] = self._inverse_cdf(q.index_select(0, p_idx))
+        return out
+
+    def _inverse_cdf(self, q: torch.Tensor) -> torch.Tensor:
+        """Token ids [R] drawn from unnormalised probabilities q [R, V] (q is consumed)."""
+        cdf = q.cumsum_(-1)  # [R, V]
+        total = cdf[:, -1:]
+        u = torch.rand(q.shape[0], 1, generator=self._generator, device=q.device) * total
+        # u < total strictly, and side="right" never picks a zero-probability token.
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, u, side="right").squeeze(1).clamp_(max=q.shape[1] - 1)
 
     def _race_filtered(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """top_k, top_p, min_p and the race among candidates: logits x [R, V] -> token ids [R]."""
