@@ -435,7 +435,7 @@ def test_invalid_input(logits: torch.Tensor, n_rows: int) -> None:
 def test_mixed_seeded_and_unseeded_rows() -> None:
     """In one batch, seeded rows keep their own draws and unseeded rows still follow
     the softmax (the two use different sampling paths)."""
-    n, temperature = 3000, 0.9
+    n, temperature = 3000, 0.6
     x = torch.tensor([0.3, 1.2, -0.5, 0.8, 0.0, -1.5])
     seeded = [SamplingParams(temperature=temperature, seed=s) for s in range(8)]
     alone = sample(x.expand(8, -1), [row(q) for q in seeded]).token_ids
