@@ -200,7 +200,7 @@ def run_hf_generate_batch(model, wl: Workload) -> Result:
 def table(results: list[Result], base: str) -> str:
     ref = {r.system: r.tok_s for r in results}
     lines = [
-        "| system | output tok/s | vs kvflow-continuous | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) |",
+        "| system | output tok/s | kvflow-continuous ÷ this | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
