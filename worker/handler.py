@@ -284,7 +284,7 @@ class RequestHandler:
                 await m.ack()
             except Exception as e:  # channel gone: the broker redelivers, the ledger answers
                 log.warning(
-                    "could not ack %s (%s); a redelivery will be answered from the ledger", rid, e
+                    "could not ack %s (%r); a redelivery will be answered from the ledger", rid, e
                 )
         self._outcome("acked")
 

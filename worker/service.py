@@ -22,7 +22,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import aio_pika
@@ -54,6 +54,16 @@ class WorkerState(enum.StrEnum):
     DRAINING = "draining"
     DRAINED = "drained"
     STOPPED = "stopped"
+
+
+async def _first(*waits: Awaitable[object]) -> None:
+    """Wait until the first of several awaitables is done; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def default_worker_id() -> str:
@@ -152,9 +162,12 @@ class Service:
             beat = asyncio.create_task(self._heartbeats(), name="heartbeat")
             intake = asyncio.create_task(self._intake(), name="intake")
             await self._stop.wait()
-            intake.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await intake
+            # Not cancelled: a basic.get cancelled in flight makes the client close the
+            # channel, and with it the acks of requests still finishing.
+            try:
+                await asyncio.wait_for(intake, 15)
+            except TimeoutError:
+                log.warning("the intake did not stop within 15 s")
             await self.drain(cfg.drain_timeout_s)
             self._set_state(WorkerState.STOPPED)
             beat.cancel()
@@ -244,7 +257,9 @@ class Service:
         assert self.queue is not None
         pause = 0.002
         while not self._stop.is_set():
-            await self._resume.wait()
+            if not self._resume.is_set():
+                await _first(self._resume.wait(), self._stop.wait())
+                continue
             if not self.can_pull():
                 self._capacity_changed.clear()
                 with contextlib.suppress(TimeoutError):

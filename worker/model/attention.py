@@ -130,10 +130,19 @@ def paged_attention(
             vp = torch.index_select(v_blocks, 0, p.gather_index, out=ws.get("v", nb, block_elems))
             kp = kp.view(-1, kvh, D)[:total].transpose(0, 1)  # [KVH, total, D]
             vp = vp.view(-1, kvh, D)[:total].transpose(0, 1)
+        # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
+        # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
+        mask = None if p.mask is None else p.mask[None, None]
         o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+            qp[None],
+            kp[None],
+            vp[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
         )
-        out[p.start : p.end] = o.transpose(0, 1)
+        out[p.start : p.end] = o[0].transpose(0, 1)
     return out
 
 
