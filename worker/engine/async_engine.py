@@ -12,6 +12,7 @@ the queue worker uses.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -181,7 +182,7 @@ class RequestStream:
         return last
 
 
-class EngineFront:
+class EngineFront(abc.ABC):
     """The asyncio side shared by both step-loop hosts: streams, capacity, routing.
 
     Safe to call from one event loop. Subclasses start the step loop and implement
@@ -202,8 +203,9 @@ class EngineFront:
         self._running = False
         self.error: str | None = None
 
+    @abc.abstractmethod
     def _send(self, command: Command) -> None:
-        raise NotImplementedError
+        """Hand a command to the step loop (it takes effect at the next step boundary)."""
 
     def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
         """fn(stats) is called on the event loop after every step."""
