@@ -169,6 +169,11 @@ class RequestMessage:
     delivery_count: int | None = None
 
 
+def _usable_id(value: str) -> bool:
+    """An id the ledger can key on: printable (no NUL or control characters), not too long."""
+    return 0 < len(value) <= MAX_ID_LENGTH and value.isprintable()
+
+
 def decode_request(
     body: bytes,
     *,
@@ -191,7 +196,9 @@ def decode_request(
     enqueue time when an expiration comes without one. Raises `InvalidRequest`.
     """
     reply_to = reply_to or None
-    fallback_id = message_id or correlation_id or None
+    given_id = message_id or correlation_id or None
+    # An error is recorded under this id; without a usable one, under one of the worker's.
+    fallback_id = given_id if given_id is not None and _usable_id(given_id) else None
 
     def fail(msg: str, request_id: str | None = fallback_id) -> InvalidRequest:
         return InvalidRequest(
@@ -212,11 +219,13 @@ def decode_request(
     raw_id = data.get("id")
     if raw_id is not None and not isinstance(raw_id, str):
         raise fail(f"id must be a string, got {_describe(raw_id)}")
-    request_id = raw_id or fallback_id
+    request_id = raw_id or given_id
     if not request_id:
         raise fail("missing id: set the 'id' field, or the AMQP message_id or correlation_id")
     if len(request_id) > MAX_ID_LENGTH:
         raise fail(f"id is {len(request_id)} characters long, over the limit of {MAX_ID_LENGTH}")
+    if not _usable_id(request_id):
+        raise fail(f"id must be printable text, got {request_id!r}")
     try:
         fields = _check_fields(data)
     except ValueError as e:

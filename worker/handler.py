@@ -38,7 +38,7 @@ from broker.publisher import ReplyPublisher
 from worker.config import ServiceConfig
 from worker.engine.async_engine import EngineFront
 from worker.engine.outputs import RequestOutput
-from worker.ledger.store import LedgerClosed, LedgerStore, RequestRecord
+from worker.ledger.store import LedgerClosed, LedgerStore, LedgerWriteError, RequestRecord
 from worker.model.tokenizer import Tokenizer
 from worker.outcome import Outcome, final_record, timing_of, utc
 from worker.request import FinishReason, SamplingParams
@@ -259,24 +259,45 @@ class RequestHandler:
         committed = self.ledger.record(record)
         if self.events.on_finished:
             self.events.on_finished(out, req)
-        if req.reply_to:
-            if outcome.code is None:
-                body = encode_result(
-                    req.id,
-                    text=out.text,
-                    token_ids=out.token_ids,
-                    finish_reason=record.finish_reason or "stop",
-                    prompt_tokens=record.prompt_tokens or 0,
-                    completion_tokens=len(out.token_ids),
-                    timing=timing,
-                    worker=self.worker_id,
-                    metadata=req.metadata,
-                )
-            else:
-                body = encode_error(req.id, outcome.code, outcome.error or "the request failed")
-            await self.publisher.publish(req.reply_to, req.correlation_id, body)
-        await committed
+        if outcome.code is None:
+            body = encode_result(
+                req.id,
+                text=out.text,
+                token_ids=out.token_ids,
+                finish_reason=record.finish_reason or "stop",
+                prompt_tokens=record.prompt_tokens or 0,
+                completion_tokens=len(out.token_ids),
+                timing=timing,
+                worker=self.worker_id,
+                metadata=req.metadata,
+            )
+        else:
+            body = encode_error(req.id, outcome.code, outcome.error or "the request failed")
+        await self._reply_final(req, record, await committed, body)
         await self._ack(message, req.id)
+
+    async def _reply_final(
+        self,
+        req: RequestMessage,
+        mine: RequestRecord,
+        stored: RequestRecord | None,
+        body: bytes,
+    ) -> None:
+        """Send the final reply once the ledger row is committed: ours, unless the ledger
+        holds another delivery's outcome (two workers ran the request after a redelivery,
+        and the other committed first). The producer then sees what the ledger keeps."""
+        if not req.reply_to:
+            return
+        if stored is not None and not _same_outcome(stored, mine):
+            log.warning(
+                "request %s: another delivery's outcome (%s by %s) was recorded first; "
+                "replying with it",
+                req.id,
+                stored.status,
+                stored.worker_id,
+            )
+            body = self._ledger_reply(req, stored)
+        await self.publisher.publish(req.reply_to, req.correlation_id, body)
 
     async def _ack(self, message: AbstractIncomingMessage, rid: str) -> None:
         for m in [message, *self._duplicates.pop(rid, [])]:
@@ -318,7 +339,10 @@ class RequestHandler:
             await self.publisher.publish(
                 reply_to, correlation_id or rid, encode_error(rid, code, text)
             )
-        await committed
+        try:
+            await committed
+        except LedgerWriteError as e:  # the dead-letter queue still keeps the message
+            log.error("rejected %s without a ledger row: %s", rid, e)
         await message.reject(requeue=False)
         self._outcome("rejected")
 
@@ -332,26 +356,21 @@ class RequestHandler:
         text: str,
     ) -> None:
         """Expired or cancelled before it ran: recorded, answered, acked (not dead-lettered)."""
-        committed = self.ledger.record(
-            RequestRecord(
-                id=req.id,
-                status=status,
-                error=text,
-                error_code=code,
-                worker_id=self.worker_id,
-                priority=req.priority,
-                enqueued_at=utc(req.enqueued_at),
-                received_at=utc(received),
-                finished_at=utc(time.time()),
-                metadata=req.metadata,
-                source="queue",
-            )
+        record = RequestRecord(
+            id=req.id,
+            status=status,
+            error=text,
+            error_code=code,
+            worker_id=self.worker_id,
+            priority=req.priority,
+            enqueued_at=utc(req.enqueued_at),
+            received_at=utc(received),
+            finished_at=utc(time.time()),
+            metadata=req.metadata,
+            source="queue",
         )
-        if req.reply_to:
-            await self.publisher.publish(
-                req.reply_to, req.correlation_id, encode_error(req.id, code, text)
-            )
-        await committed
+        stored = await self.ledger.record(record)
+        await self._reply_final(req, record, stored, encode_error(req.id, code, text))
         await self._ack(message, req.id)
 
     async def _answer_from_ledger(
@@ -359,42 +378,47 @@ class RequestHandler:
     ) -> None:
         """A redelivery of a request that already ended: resend its outcome, run nothing."""
         if req.reply_to:
-            if rec.status in ("completed", "expired") and rec.output_text is not None:
-                timing = {
-                    "enqueued_at": _ts(rec.enqueued_at),
-                    "received_at": _ts(rec.received_at),
-                    "admitted_at": _ts(rec.admitted_at),
-                    "first_token_at": _ts(rec.first_token_at),
-                    "finished_at": _ts(rec.finished_at),
-                    "queue_s": rec.queue_s,
-                    "ttft_s": rec.ttft_s,
-                    "prefill_s": rec.prefill_s,
-                    "decode_s": rec.decode_s,
-                    "e2e_s": rec.e2e_s,
-                    "itl_mean_s": rec.itl_mean_s,
-                    "itl_p50_s": rec.itl_p50_s,
-                    "itl_p99_s": rec.itl_p99_s,
-                    "preemptions": rec.preemptions or 0,
-                }
-                body = encode_result(
-                    req.id,
-                    text=rec.output_text,
-                    token_ids=list(rec.output_token_ids or []),
-                    finish_reason=rec.finish_reason or "stop",
-                    prompt_tokens=rec.prompt_tokens or 0,
-                    completion_tokens=rec.completion_tokens or 0,
-                    timing=timing,
-                    worker=rec.worker_id or self.worker_id,
-                    metadata=rec.metadata,
-                )
-            else:
-                code = rec.error_code or {"cancelled": CANCELLED, "expired": EXPIRED}.get(
-                    rec.status, INVALID_REQUEST
-                )
-                body = encode_error(req.id, code, rec.error or f"the request was {rec.status}")
+            body = self._ledger_reply(req, rec)
             await self.publisher.publish(req.reply_to, req.correlation_id, body)
         await self._ack(message, req.id)
         self._outcome("replayed")
+
+    def _ledger_reply(self, req: RequestMessage, rec: RequestRecord) -> bytes:
+        """The final reply message for a request as its ledger row records it."""
+        if rec.status in ("completed", "expired") and rec.output_text is not None:
+            timing = {
+                "enqueued_at": _ts(rec.enqueued_at),
+                "received_at": _ts(rec.received_at),
+                "admitted_at": _ts(rec.admitted_at),
+                "first_token_at": _ts(rec.first_token_at),
+                "finished_at": _ts(rec.finished_at),
+                "queue_s": rec.queue_s,
+                "ttft_s": rec.ttft_s,
+                "prefill_s": rec.prefill_s,
+                "decode_s": rec.decode_s,
+                "e2e_s": rec.e2e_s,
+                "itl_mean_s": rec.itl_mean_s,
+                "itl_p50_s": rec.itl_p50_s,
+                "itl_p99_s": rec.itl_p99_s,
+                "preemptions": rec.preemptions or 0,
+            }
+            body = encode_result(
+                req.id,
+                text=rec.output_text,
+                token_ids=list(rec.output_token_ids or []),
+                finish_reason=rec.finish_reason or "stop",
+                prompt_tokens=rec.prompt_tokens or 0,
+                completion_tokens=rec.completion_tokens or 0,
+                timing=timing,
+                worker=rec.worker_id or self.worker_id,
+                metadata=rec.metadata,
+            )
+        else:
+            code = rec.error_code or {"cancelled": CANCELLED, "expired": EXPIRED}.get(
+                rec.status, INVALID_REQUEST
+            )
+            body = encode_error(req.id, code, rec.error or f"the request was {rec.status}")
+        return body
 
     async def _requeue(self, message: AbstractIncomingMessage, rid: str) -> None:
         """Give an unfinished request back to the queue (drain, shutdown): never dead-lettered.
@@ -422,21 +446,16 @@ class RequestHandler:
             return
         text = "internal error while serving the request (see the worker's log)"
         try:
-            committed = self.ledger.record(
-                RequestRecord(
-                    id=req.id,
-                    status="failed",
-                    error=text,
-                    error_code=INTERNAL,
-                    worker_id=self.worker_id,
-                    finished_at=utc(time.time()),
-                )
+            record = RequestRecord(
+                id=req.id,
+                status="failed",
+                error=text,
+                error_code=INTERNAL,
+                worker_id=self.worker_id,
+                finished_at=utc(time.time()),
             )
-            if req.reply_to:
-                await self.publisher.publish(
-                    req.reply_to, req.correlation_id, encode_error(req.id, INTERNAL, text)
-                )
-            await committed
+            stored = await self.ledger.record(record)
+            await self._reply_final(req, record, stored, encode_error(req.id, INTERNAL, text))
         finally:
             await message.reject(requeue=False)
             self._outcome("rejected")
@@ -455,6 +474,10 @@ def _seconds(expiration: object) -> float | None:
     if isinstance(expiration, (int, float)):
         return float(expiration)
     return None
+
+
+def _same_outcome(a: RequestRecord, b: RequestRecord) -> bool:
+    return (a.status, a.worker_id, a.finished_at) == (b.status, b.worker_id, b.finished_at)
 
 
 def _ts(d: datetime | None) -> float | None:

@@ -18,10 +18,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +33,7 @@ from sqlalchemy import func, select
 from broker.client import Client, Handle, RequestFailed
 from broker.messages import CONTENT_TYPE, decode_reply
 from broker.topology import Topology
+from tests.integration.helpers import eventually, stored
 from worker.ledger.migrate import open_engine, upgrade_async
 from worker.ledger.tables import requests as requests_table
 from worker.ledger.tables import workers as workers_table
@@ -44,20 +44,6 @@ REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 0.2
 READY_TIMEOUT_S = 90.0
 CLI_TIMEOUT_S = 120.0
-
-
-async def eventually(
-    fetch: Callable[[], Awaitable[Any]], what: str, *, timeout: float = 30.0, every: float = 0.1
-) -> Any:
-    """Call `fetch` until it returns something truthy; fail after `timeout` seconds."""
-    until = time.monotonic() + timeout
-    while True:
-        value = await fetch()
-        if value:
-            return value
-        if time.monotonic() > until:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(every)
 
 
 # -- processes --
@@ -393,7 +379,7 @@ async def test_drain_finishes_running_work_then_resume_serves_the_rest(env: Env)
         row = rows[h.id]
         assert row["status"] == "completed" and row["completion_tokens"] == 200, row
         assert row["attempts"] == 1, f"{h.id} ran twice: {row}"
-        assert result["text"] == row["output_text"]
+        assert stored(result["text"]) == row["output_text"]
     assert await env.dead_count() == 0
     assert w.alive(), w.tail()
 
@@ -431,7 +417,7 @@ async def test_drain_past_its_timeout_requeues_and_resume_completes(env: Env) ->
     for h, result in zip(handles, outcomes, strict=True):
         row = rows[h.id]
         assert row["status"] == "completed" and row["completion_tokens"] == 240, row
-        assert result["text"] == row["output_text"]
+        assert stored(result["text"]) == row["output_text"]
     assert await env.dead_count() == 0
     assert await env.ready_count() == 0
 
@@ -491,7 +477,7 @@ async def test_scale_up_and_down_under_load(env: Env) -> None:
     for h, result in zip(handles, outcomes, strict=True):
         row = rows[h.id]
         assert row["status"] == "completed" and row["completion_tokens"] == 160, row
-        assert result["text"] == row["output_text"]
+        assert stored(result["text"]) == row["output_text"]
     assert len({r["worker_id"] for r in rows.values()}) == 3, "not every worker served"
     assert await env.dead_count() == 0
 
@@ -684,7 +670,7 @@ async def test_status_and_ledger_commands_match_what_was_sent(env: Env, tmp_path
 
     shown = (await env.kvflow("ledger", "show", "st-3", "--json")).ok().json
     assert shown["id"] == "st-3" and shown["status"] == "completed", shown
-    assert shown["completion_tokens"] == 11 and shown["output_text"] == outcomes[3]["text"]
+    assert shown["completion_tokens"] == 11 and shown["output_text"] == stored(outcomes[3]["text"])
     assert {c.name for c in requests_table.columns} == set(shown), "not every column"
     human = (await env.kvflow("ledger", "show", "st-3")).ok().out
     assert "output_token_ids" in human and "completed" in human, human

@@ -30,6 +30,7 @@ from broker.messages import (
 )
 from broker.publisher import ReplyPublisher
 from broker.topology import Topology, TopologyMismatch, declare, queue_counts
+from tests.integration.helpers import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -39,15 +40,7 @@ DELTAS = ("Hel", "lo", " world")
 async def _poll(
     fetch: Callable[[], Awaitable[Any]], *, timeout: float = 20.0, every: float = 0.2
 ) -> Any:
-    """Call `fetch` until it returns something truthy; fail after `timeout` seconds."""
-    until = time.monotonic() + timeout
-    while True:
-        value = await fetch()
-        if value:
-            return value
-        if time.monotonic() > until:
-            pytest.fail(f"nothing after {timeout} s of polling")
-        await asyncio.sleep(every)
+    return await eventually(fetch, "a message", timeout=timeout, every=every)
 
 
 async def _get_dead(queue: AbstractQueue) -> AbstractIncomingMessage:

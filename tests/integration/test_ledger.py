@@ -260,6 +260,62 @@ async def test_a_refused_record_fails_alone(
     assert "writing them one by one" in caplog.text
 
 
+async def test_record_resolves_to_the_committed_final_row(ledger_url: str) -> None:
+    """The first terminal record of an id is the outcome; a later one from another
+    delivery resolves to it (so that worker replies with what the ledger keeps)."""
+    rid, other = _uid(), _uid()
+    done = datetime.now(timezone.utc)
+    open_a = LedgerStore.open(ledger_url, flush_interval_s=0)
+    open_b = LedgerStore.open(ledger_url, flush_interval_s=0)
+    async with await open_a as a, await open_b as b:
+        assert await a.record(RequestRecord(rid, "running", worker_id="wa")) is None
+        first = RequestRecord(rid, "completed", output_text="A", worker_id="wa", finished_at=done)
+        stored = await a.record(first)
+        assert stored is not None
+        assert (stored.status, stored.output_text, stored.worker_id) == ("completed", "A", "wa")
+        assert stored.finished_at == done
+
+        late = RequestRecord(rid, "completed", output_text="B", worker_id="wb")
+        again = await b.record(late)
+        assert again is not None
+        assert (again.output_text, again.worker_id, again.finished_at) == ("A", "wa", done)
+        failed = await b.record(RequestRecord(rid, "failed", error="boom", worker_id="wb"))
+        assert failed is not None and (failed.status, failed.output_text) == ("completed", "A")
+
+        # several records of one id in one batch: the batch's merged outcome
+        batch = [
+            b.record(RequestRecord(other, "running", worker_id="wb")),
+            b.record(RequestRecord(other, "cancelled", error="x", worker_id="wb")),
+        ]
+        got = await asyncio.gather(*batch)
+        assert got[0] is None
+        assert got[1] is not None and got[1].status == "cancelled"
+
+
+async def test_nul_characters_are_stored_as_replacement_characters(ledger_url: str) -> None:
+    """PostgreSQL text and JSON refuse U+0000; models generate it. Nothing is refused."""
+    rid, other = _uid(), _uid()
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0) as store:
+        assert (
+            await store.mark_received(rid, prompt="p\x00q", metadata={"k\x00": ["v\x00", 1]})
+            is None
+        )
+        final = await store.record(
+            RequestRecord(
+                rid, "completed", output_text="a\x00b", output_token_ids=[0, 1], error=None
+            )
+        )
+        assert final is not None and final.output_text == "a\ufffdb"
+        row = await store.get(rid)
+        assert row is not None
+        assert (row["prompt"], row["output_text"]) == ("p\ufffdq", "a\ufffdb")
+        assert row["metadata"] == {"k\ufffd": ["v\ufffd", 1]}
+        assert row["output_token_ids"] == [0, 1]
+        await store.record(RequestRecord(other, "failed", error="bad \x00 byte"))
+        row = await store.get(other)
+        assert row is not None and row["error"] == "bad \ufffd byte"
+
+
 async def test_mark_received_counts_deliveries_and_returns_final_rows(ledger_url: str) -> None:
     rid, queued = _uid(), _uid()
     now = datetime.now(timezone.utc)

@@ -26,8 +26,8 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from datetime import datetime
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,7 +40,9 @@ from sqlalchemy import func, select
 from broker.client import Client, Handle, RequestFailed
 from broker.messages import CONTENT_TYPE, ENQUEUED_AT_HEADER, decode_reply
 from broker.topology import Topology, queue_counts
+from tests.integration.helpers import eventually, stored
 from worker.ledger.migrate import open_engine, upgrade_async
+from worker.ledger.store import LedgerStore, RequestRecord
 from worker.ledger.tables import requests as requests_table
 from worker.ledger.tables import workers as workers_table
 
@@ -50,20 +52,6 @@ REPO = Path(__file__).resolve().parents[2]
 LOOKAHEAD = 2
 HEARTBEAT_S = 0.2  # KVFLOW_HEARTBEAT_S for the workers: fine-grained `workers` samples
 READY_TIMEOUT_S = 90.0
-
-
-async def eventually(
-    fetch: Callable[[], Awaitable[Any]], what: str, *, timeout: float = 30.0, every: float = 0.05
-) -> Any:
-    """Call `fetch` until it returns something truthy; fail after `timeout` seconds."""
-    until = time.monotonic() + timeout
-    while True:
-        value = await fetch()
-        if value:
-            return value
-        if time.monotonic() > until:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(every)
 
 
 def seconds(a: datetime, b: datetime) -> float:
@@ -483,7 +471,7 @@ async def test_round_trip_through_two_workers(harness: Harness, default_model_di
 
         row = rows[rid]
         assert row["status"] == "completed", row
-        assert row["output_text"] == result["text"]
+        assert row["output_text"] == stored(result["text"])
         assert row["worker_id"] == result["worker"] in (a.id, b.id)
         served[row["worker_id"]] += 1
         for name in ("enqueued_at", "received_at", "admitted_at", "first_token_at", "finished_at"):
@@ -648,9 +636,9 @@ async def test_killed_worker_requests_complete_exactly_once(
         row = rows[handle.id]
         assert row["status"] == "completed", row
         assert row["completion_tokens"] == 230
-        texts = {r["text"] for r in h.client.replies[handle.id] if r["type"] == "result"}
+        texts = {stored(r["text"]) for r in h.client.replies[handle.id] if r["type"] == "result"}
         assert texts == {row["output_text"]}, f"{handle.id}: results disagree: {texts}"
-        assert result["text"] == row["output_text"]
+        assert stored(result["text"]) == row["output_text"]
     rerun = [rid for rid in in_flight if rows[rid]["worker_id"] == b.id]
     assert rerun, f"none of A's in-flight requests {in_flight} was finished by B"
     assert all(rows[rid]["attempts"] >= 2 for rid in rerun)
@@ -693,6 +681,58 @@ async def test_redelivered_completed_id_is_answered_from_the_ledger(
     assert await h.dead_letter_count() == 0
 
 
+@pytest.mark.timeout(120)
+async def test_outcome_recorded_first_by_another_delivery_is_the_reply(
+    harness: Harness, default_model_dir: Path
+) -> None:
+    """Two deliveries of one request ran (a redelivery after a lost connection): the
+    one whose final row commits first is the request's outcome, and the other worker
+    replies with it rather than with its own text."""
+    h = harness
+    w = h.start("second", model=None, max_num_seqs=4)
+    await h.ready(w)
+
+    rid = "twice-" + uuid.uuid4().hex[:8]
+    handle = await h.client.submit(
+        "Write a long story.", id=rid, max_tokens=400, ignore_eos=True, stream=True
+    )
+
+    async def generating() -> bool:
+        return "delta" in h.client.kinds(rid)
+
+    await eventually(generating, "the first delta", timeout=60)
+    other = RequestRecord(
+        rid,
+        "completed",
+        output_text="the other delivery's answer",
+        output_token_ids=[11, 12, 13],
+        prompt_tokens=5,
+        completion_tokens=3,
+        finish_reason="length",
+        worker_id="other-worker",
+        finished_at=datetime.now(UTC),
+    )
+    async with await LedgerStore.open(h.db_url, flush_interval_s=0) as store:
+        assert await store.record(other) is not None
+    assert not handle.done, "precondition: the worker's own run is still going"
+
+    result = await handle.result(90)
+    assert result["text"] == other.output_text and result["token_ids"] == other.output_token_ids
+    assert result["worker"] == "other-worker" and result["finish_reason"] == "length"
+    assert h.client.kinds(rid).count("result") == 1
+    row = (await h.rows([rid]))[rid]
+    assert row["status"] == "completed" and row["output_text"] == other.output_text
+    assert row["worker_id"] == "other-worker" and row["completion_tokens"] == 3
+
+    async def acked() -> bool:
+        _, unacked = await queue_counts(h.amqp_url, h.topo.queue)
+        return unacked == 0 and await h.ready_count() == 0
+
+    await eventually(acked, "the message to be acked", timeout=20)
+    assert await h.dead_letter_count() == 0
+    assert "was recorded first" in w.output()
+
+
 # -- 6. bad input --
 
 MAX_TOKENS_CAP = 64
@@ -715,6 +755,7 @@ def _bad_inputs() -> dict[str, tuple[bytes, str]]:
         "temperature": (pack(prompt="hi", temperature=-1.0), "invalid_request"),
         "top-p": (pack(prompt="hi", top_p=2.0), "invalid_request"),
         "oversized": (pack(prompt="x" * ((1 << 20) + 1000)), "invalid_request"),
+        "nul-in-id": (pack(id="a\x00b", prompt="hi"), "invalid_request"),
     }
 
 
@@ -756,6 +797,13 @@ async def test_bad_input_is_answered_recorded_and_dead_lettered(
     assert w.alive(), w.tail()
     good = await (await h.client.submit("Still there?", max_tokens=4)).result(30)
     assert good["type"] == "result" and good["usage"]["completion_tokens"] >= 1
+    # U+0000 is no bad input: served, echoed as sent, stored as U+FFFD
+    nul = await h.client.submit("Still\x00 there?", max_tokens=4, metadata={"k": "a\x00b"})
+    served = await nul.result(30)
+    assert served["type"] == "result" and served["metadata"] == {"k": "a\x00b"}
+    row = (await h.settled([nul.id]))[nul.id]
+    assert row["status"] == "completed" and row["prompt"] == "Still\ufffd there?"
+    assert row["metadata"] == {"k": "a\ufffdb"}
     assert await h.ready_count() == 0
 
 

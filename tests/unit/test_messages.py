@@ -270,6 +270,18 @@ def test_id_must_be_a_short_string():
     assert "over the limit of 255" in _refused(_body(id="x" * 256, prompt="p")).message
 
 
+@pytest.mark.parametrize("bad", ["a\x00b", "line\nbreak", "tab\there"])
+def test_id_must_be_printable(bad):
+    err = _refused(_body(id=bad, prompt="p"), message_id="m")
+    assert "id must be printable" in err.message
+    assert err.request_id == "m"  # the error is recorded under the AMQP message_id
+    # an unusable message_id is not used as the fallback either
+    err = _refused(_body(prompt="p"), message_id=bad)
+    assert "id must be printable" in err.message and err.request_id is None
+    long = _refused(_body(prompt="p"), message_id="m" * 300)
+    assert "over the limit" in long.message and long.request_id is None
+
+
 def test_prompt_forms():
     err = _refused(_body(id="x"))
     assert err.message.startswith("no prompt") and err.request_id == "x"

@@ -2,7 +2,10 @@
 
 `record()` queues a `RequestRecord` and returns at once; one background task writes
 up to `batch_size` queued records per transaction (an `INSERT ... ON CONFLICT (id) DO
-UPDATE` executemany) and then resolves their futures. When the database is slow the
+UPDATE` executemany) and then resolves their futures: for a terminal record, with the
+row as the ledger holds it after the commit. That row is the request's one outcome: it
+may be another delivery's, when two workers ran the same request (a redelivery after a
+lost connection) and the other committed first; replies are sent from it. When the database is slow the
 batches grow; when it is down the records stay queued and the task retries with capped
 exponential backoff (logging once per outage), so a record is delayed, never lost,
 until `close()` gives up on it.
@@ -15,6 +18,10 @@ Rules, applied by the upsert and, for several records of one id in one batch, by
   (the same status, or even another) only touches `updated_at`;
 - `attempts` never decreases; `mark_received` adds one per delivery.
 Writes are therefore idempotent, which is what makes retrying a batch safe.
+
+PostgreSQL text and JSON cannot hold U+0000, which a model may well generate (byte-level
+vocabularies have a token for it) and a producer may send: text columns and metadata
+strings store it as U+FFFD. `output_token_ids` stay exact.
 """
 
 from __future__ import annotations
@@ -133,15 +140,31 @@ class RequestRecord:
     def row(self, now: datetime) -> dict[str, Any]:
         """Every column of the `requests` row, for an insert at `now`."""
         values = {name: getattr(self, name) for name in _FIELDS}
+        for name in _TEXTS:
+            values[name] = storable(values[name])
         if self.output_token_ids is not None:
             values["output_token_ids"] = list(self.output_token_ids)
         if self.metadata is not None:
-            values["metadata"] = dict(self.metadata)
+            values["metadata"] = storable(dict(self.metadata))
         values["attempts"] = self.attempts or 0
         return {**values, "created_at": now, "updated_at": now}
 
 
 _FIELDS = tuple(f.name for f in dataclass_fields(RequestRecord))
+_TEXTS = ("prompt", "output_text", "error")
+
+
+def storable(value: Any) -> Any:
+    """`value` with U+0000 in its strings (map keys included) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, Mapping):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return value
+
+
 _TIMESTAMPS = tuple(name for name in _FIELDS if name.endswith("_at"))
 _MERGED = tuple(name for name in _FIELDS if name not in ("id", "status", "attempts"))
 
@@ -206,7 +229,7 @@ class _Mark:
 @dataclass
 class _Pending:
     record: RequestRecord
-    future: asyncio.Future[None] = field(repr=False)
+    future: asyncio.Future[RequestRecord | None] = field(repr=False)
 
 
 def _insert(dialect: str) -> Any:
@@ -340,12 +363,14 @@ class LedgerStore:
         """Records queued but not yet committed."""
         return len(self._queue)
 
-    def record(self, rec: RequestRecord) -> asyncio.Future[None]:
+    def record(self, rec: RequestRecord) -> asyncio.Future[RequestRecord | None]:
         """Queue `rec`; the future resolves once it is committed (LedgerWriteError if the
-        database refuses it, LedgerClosed if the store closes first)."""
+        database refuses it, LedgerClosed if the store closes first). Its result: for a
+        terminal `rec`, the final row as committed (the first terminal record of this id
+        wins, whoever wrote it); None for the others."""
         if self._closing:
             raise RuntimeError("the ledger store is closed")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(rec, future))
         if rec.terminal:
             self._queued_terminal.setdefault(rec.id, rec)
@@ -526,7 +551,7 @@ class LedgerStore:
                     await asyncio.wait_for(self._full.wait(), self._flush_interval_s)
             batch = list(itertools.islice(self._queue, self._batch_size))
             try:
-                refused = await self._commit(batch)
+                stored, refused = await self._commit(batch)
             except Exception as e:  # transient: keep the batch queued and retry
                 self._failed(e)
                 await asyncio.sleep(delay)
@@ -543,20 +568,24 @@ class LedgerStore:
                 if item.record.id in refused:
                     item.future.set_exception(refused[item.record.id])
                 else:
-                    item.future.set_result(None)
+                    item.future.set_result(
+                        stored.get(item.record.id) if item.record.terminal else None
+                    )
 
-    async def _commit(self, batch: list[_Pending]) -> dict[str, Exception]:
+    async def _commit(
+        self, batch: list[_Pending]
+    ) -> tuple[dict[str, RequestRecord], dict[str, Exception]]:
         """Write `batch` (one row per id) in one transaction. If the database refuses
-        it, write its rows one by one to find the bad ones; returns their errors.
-        Raises only transient errors."""
+        it, write its rows one by one to find the bad ones. Returns the committed final
+        rows of the batch's terminal ids, and the refused ids' errors. Raises only
+        transient errors."""
         rows: dict[str, RequestRecord] = {}
         for item in batch:
             old = rows.get(item.record.id)
             rows[item.record.id] = item.record if old is None else merge(old, item.record)
         now = datetime.now(UTC)
         try:
-            await self._execute([r.row(now) for r in rows.values()])
-            return {}
+            return await self._execute(list(rows.values()), now), {}
         except Exception as e:
             if is_transient(e):
                 raise
@@ -566,9 +595,10 @@ class LedgerStore:
                 describe_error(e, self._url),
             )
         refused: dict[str, Exception] = {}
+        stored: dict[str, RequestRecord] = {}
         for rec in rows.values():
             try:
-                await self._execute([rec.row(now)])
+                stored.update(await self._execute([rec], now))
             except Exception as e:
                 if is_transient(e):
                     raise
@@ -576,14 +606,23 @@ class LedgerStore:
                 reason = describe_error(e, self._url)
                 log.error("ledger: request %s refused by the database: %s", rec.id, reason)
                 refused[rec.id] = LedgerWriteError(f"ledger refused request {rec.id}: {reason}")
-        return refused
+        return stored, refused
 
-    async def _execute(self, rows: list[dict[str, Any]]) -> None:
+    async def _execute(self, recs: list[RequestRecord], now: datetime) -> dict[str, RequestRecord]:
+        """Upsert `recs`; returns the final rows of the terminal ones, read back in the
+        same transaction."""
         start = time.perf_counter()
+        final_ids = [r.id for r in recs if r.terminal]
+        stored: dict[str, RequestRecord] = {}
         async with self._engine.begin() as conn:
-            await conn.execute(self._upsert, rows)
+            await conn.execute(self._upsert, [r.row(now) for r in recs])
+            if final_ids:
+                stmt = select(requests_table).where(requests_table.c.id.in_(final_ids))
+                res = await conn.execute(stmt)
+                stored = {row["id"]: RequestRecord.from_row(row) for row in res.mappings()}
         self.write_latency.observe(time.perf_counter() - start)
-        self.records_written += len(rows)
+        self.records_written += len(recs)
+        return stored
 
     def _failed(self, exc: BaseException) -> None:
         self.errors += 1
