@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -68,8 +69,16 @@ def in_process(engine: LLMEngine, wl: Workload) -> dict[str, float]:
 
 
 async def through_queue(
-    amqp_url: str, queue: str, prompts: list[list[int]], max_tokens: list[int], desc: str
+    amqp_url: str,
+    queue: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    desc: str,
+    worker_pid: int | None = None,
 ) -> dict[str, float]:
+    """Publish every request at once, await every result. With `worker_pid`, also the
+    CPU milliseconds per request of each party (key `cpu_ms_per_req`)."""
+    cpu0 = cpu_seconds(worker_pid) if worker_pid is not None else {}
     async with await Client.connect(amqp_url, queue=queue) as client:
         t0 = time.time()
         handles = await asyncio.gather(
@@ -85,10 +94,15 @@ async def through_queue(
                 results.append(await fut)
                 bar.update(1)
         wall = time.time() - t0
+    cpu_ms: dict[str, float] = {}
+    if worker_pid is not None:
+        cpu1 = cpu_seconds(worker_pid)
+        cpu_ms = {k: (v - cpu0.get(k, 0.0)) * 1000 / len(results) for k, v in cpu1.items()}
     out_tokens = sum(r["usage"]["completion_tokens"] for r in results)
     ttft = sorted(r["timing"]["ttft_s"] for r in results)
     e2e = sorted(r["timing"]["e2e_s"] for r in results)
     return {
+        "cpu_ms_per_req": cpu_ms,
         "output_tok_s": out_tokens / wall,
         "req_s": len(results) / wall,
         "wall_s": wall,
@@ -98,6 +112,36 @@ async def through_queue(
         "e2e_p50": percentile(e2e, 50),
         "e2e_p99": percentile(e2e, 99),
     }
+
+
+def cpu_seconds(worker_pid: int) -> dict[str, float]:
+    """CPU seconds used so far, by party: the worker's event loop, its engine process,
+    RabbitMQ, PostgreSQL, this benchmark (the producer) and the rest (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        ppid, used = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        if pid == worker_pid:
+            who = "worker (event loop)"
+        elif ppid == worker_pid:
+            who = "worker (engine)"
+        elif pid == os.getpid():
+            who = "producer (this benchmark)"
+        elif comm.startswith("beam"):
+            who = "RabbitMQ"
+        elif comm.startswith("postgres"):
+            who = "PostgreSQL"
+        else:
+            who = "other (kernel, ...)"
+        out[who] = out.get(who, 0.0) + used
+    return out
 
 
 def tiny_model(out: Path) -> Path:
@@ -264,7 +308,10 @@ def main() -> None:
                         through_queue(args.amqp_url, queue, wl.prompts, wl.output_lens, "queue")
                     )
                 )
-            return [asyncio.run(through_queue(args.amqp_url, queue, p, m, d)) for p, m, d in runs]
+            return [
+                asyncio.run(through_queue(args.amqp_url, queue, p, m, d, worker_pid=proc.pid))
+                for p, m, d in runs
+            ]
         finally:
             proc.terminate()
             try:
@@ -310,6 +357,8 @@ def main() -> None:
         f"pipeline ceiling (max_tokens=1, a 1-token prompt, {args.ceiling} requests; target >= 200 req/s):\n"
         f"- default model: {ceiling['req_s']:.0f} requests/s\n"
         f"- 2-layer model (the pipeline's own cost): {ceiling_tiny['req_s']:.0f} requests/s\n"
+        f"\nCPU per request in the ceiling runs (ms; {os.cpu_count()} cores shared by all):\n\n"
+        + _cpu_table({"default model": ceiling, "2-layer model": ceiling_tiny})
     )
     print("\n" + md)
     (args.out / "pipeline.md").write_text(md)
@@ -326,6 +375,20 @@ def main() -> None:
         )
     )
     plot(local, queued, ceiling, ceiling_tiny, args.out / "pipeline.png")
+
+
+def _cpu_table(runs: dict[str, dict[str, Any]]) -> str:
+    cpu: dict[str, dict[str, float]] = {k: r["cpu_ms_per_req"] for k, r in runs.items()}
+    parties = sorted(
+        {p for c in cpu.values() for p in c}, key=lambda p: -max(c.get(p, 0) for c in cpu.values())
+    )
+    lines = ["| party | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
+    for p in parties:
+        lines.append(f"| {p} | " + " | ".join(f"{cpu[k].get(p, 0.0):.2f}" for k in runs) + " |")
+    lines.append(
+        "| **total** | " + " | ".join(f"**{sum(cpu[k].values()):.2f}**" for k in runs) + " |"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _figures(runs: list[dict[str, float]]) -> str:
