@@ -506,6 +506,10 @@ def _int_list(value: Any, name: str) -> list[int]:
     return value
 
 
+# Year 5138: anything later is not unix seconds (milliseconds, most likely).
+_LATEST_UNIX_S = 1e11
+
+
 def _enqueued_at(
     timestamp: dt.datetime | float | None, headers: Mapping[str, Any] | None
 ) -> float | None:
@@ -518,6 +522,8 @@ def _enqueued_at(
         ts = float(timestamp)
     else:
         ts = None
+    if ts is not None and not 0 < ts < _LATEST_UNIX_S:
+        ts = None  # milliseconds sent as seconds, or garbage: no enqueue time
     precise = _header_seconds((headers or {}).get(ENQUEUED_AT_HEADER))
     if precise is None:
         return ts
@@ -539,7 +545,7 @@ def _header_seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float, decimal.Decimal)):
         return None
     seconds = float(value)
-    return seconds if math.isfinite(seconds) and seconds > 0 else None
+    return seconds if math.isfinite(seconds) and 0 < seconds < _LATEST_UNIX_S else None
 
 
 def _pack(data: Any) -> bytes:

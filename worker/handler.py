@@ -10,6 +10,7 @@ request that already completed is answered from the ledger without running the m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -84,9 +85,11 @@ class RequestHandler:
         self.accepting = True
         # Ids cancelled by an operator before their message arrived here (bounded).
         self.cancelled_ids: OrderedDict[str, None] = OrderedDict()
-        # Extra deliveries of a request that is already running here (a redelivery
-        # after a reconnect): acked together with the first.
+        # Extra deliveries of a request that is already being served here (a redelivery
+        # after a reconnect, a producer's retry): acked together with the first, or
+        # given back to the queue if the first ends without an outcome.
         self._duplicates: dict[str, list[AbstractIncomingMessage]] = {}
+        self._serving: set[str] = set()  # ids between decode and their last message
 
     def remember_cancelled(self, request_id: str, keep: int = 10_000) -> None:
         self.cancelled_ids[request_id] = None
@@ -120,9 +123,10 @@ class RequestHandler:
                 message, rid, e.code, e.message, e.reply_to, e.correlation_id, received
             )
             return
-        if self.engine.is_running(req.id):
+        if req.id in self._serving or self.engine.is_running(req.id):
             self._duplicates.setdefault(req.id, []).append(message)
             return
+        self._serving.add(req.id)
         try:
             await self._serve(message, req, received, admitted)
         except LedgerClosed:
@@ -130,6 +134,14 @@ class RequestHandler:
         except Exception:
             log.exception("request %s failed inside the worker", req.id)
             await self._fail(message, req, received)
+        finally:
+            self._serving.discard(req.id)
+            self.requeue_ids.discard(req.id)
+            # Duplicates not settled with the first delivery go back to the queue: a
+            # redelivery is answered from the ledger, or runs if nothing was recorded.
+            for m in self._duplicates.pop(req.id, []):
+                with contextlib.suppress(Exception):
+                    await m.nack(requeue=True)
 
     # -- the normal path -------------------------------------------------------------------
 
@@ -187,7 +199,7 @@ class RequestHandler:
                 message, req, received, "cancelled", CANCELLED, "cancelled by an operator"
             )
             return
-        if not self.accepting:
+        if not self.accepting or self.engine.error is not None:
             await self._requeue(message, req.id)
             return
         try:
@@ -209,17 +221,21 @@ class RequestHandler:
 
         index = 0
         final: RequestOutput | None = None
-        async for out in stream:
-            has_delta = bool(out.delta_text or out.delta_token_ids)
-            if req.stream and req.reply_to and has_delta and out.error is None:
-                await self.publisher.publish(
-                    req.reply_to,
-                    req.correlation_id,
-                    encode_delta(req.id, index, out.delta_text, out.delta_token_ids),
-                )
-                index += 1
-            if out.finished:
-                final = out
+        try:
+            async for out in stream:
+                has_delta = bool(out.delta_text or out.delta_token_ids)
+                if req.stream and req.reply_to and has_delta and out.error is None:
+                    await self.publisher.publish(
+                        req.reply_to,
+                        req.correlation_id,
+                        encode_delta(req.id, index, out.delta_text, out.delta_token_ids),
+                    )
+                    index += 1
+                if out.finished:
+                    final = out
+        finally:
+            if final is None:  # a delta could not be sent: nobody reads the stream now
+                self.engine.abort(req.id)
         assert final is not None
         await self._finish(message, req, final, received, len(tokens))
 

@@ -104,6 +104,7 @@ class Service:
         self.connection: AbstractRobustConnection | None = None
         self.queue: AbstractQueue | None = None
         self.pulled = 0
+        self.failure: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -145,6 +146,7 @@ class Service:
                 front.info.model_name,
                 self._events,
             )
+            self.engine.on_failure = self._engine_failed
             await self.engine.start()
             self.control = ControlListener(self, publish, self.handler.publisher)
             await self.control.start()
@@ -161,6 +163,7 @@ class Service:
             )
             beat = asyncio.create_task(self._heartbeats(), name="heartbeat")
             intake = asyncio.create_task(self._intake(), name="intake")
+            intake.add_done_callback(self._intake_done)
             await self._stop.wait()
             # Not cancelled: a basic.get cancelled in flight makes the client close the
             # channel, and with it the acks of requests still finishing.
@@ -174,7 +177,7 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
             await self._heartbeat_once()
-            return 0
+            return 1 if self.failure is not None else 0
         finally:
             if self.engine is not None:
                 await self.engine.stop()
@@ -234,6 +237,21 @@ class Service:
             self._stop.set()
             self._capacity_changed.set()
 
+    def _engine_failed(self, error: str, request_ids: list[str]) -> None:
+        """The engine died: its requests go back to the queue (another worker, or this
+        one restarted, runs them), and the worker stops with a non-zero exit code."""
+        log.error(
+            "worker %s: engine failed (%s); requeueing %d requests and stopping",
+            self.worker_id,
+            error,
+            len(request_ids),
+        )
+        self.failure = error
+        if self.handler is not None:
+            self.handler.accepting = False
+            self.handler.requeue_ids.update(request_ids)
+        self.request_stop()
+
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -267,8 +285,9 @@ class Service:
                 continue
             try:
                 message = await self.queue.get(no_ack=False, fail=False, timeout=10)
-            except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as e:
-                log.warning("pull failed (%s); retrying", e)
+            except Exception as e:  # a closed channel, a timed-out get: the robust
+                # connection reopens the channel; the intake must outlive it
+                log.warning("pull failed (%r); retrying", e)
                 await asyncio.sleep(0.5)
                 continue
             if message is None:
@@ -287,6 +306,14 @@ class Service:
                 continue
             self.pulled += 1
             self._spawn(message)
+
+    def _intake_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # Without its intake the worker would heartbeat 'serving' and never pull again.
+        log.error("the intake stopped unexpectedly; shutting down", exc_info=task.exception())
+        self.failure = self.failure or f"intake failed: {task.exception()!r}"
+        self.request_stop()
 
     def _spawn(self, message: AbstractIncomingMessage) -> None:
         assert self.handler is not None

@@ -350,19 +350,25 @@ async def test_mark_received_counts_deliveries_and_returns_final_rows(ledger_url
             await store.mark_received(rid, status="queued")
 
 
-async def test_mark_received_sees_a_verdict_not_yet_committed(ledger_url: str) -> None:
-    rid = _uid()
-    store = await LedgerStore.open(ledger_url, flush_interval_s=30)
-    future = store.record(RequestRecord(rid, "completed", output_text="soon"))
-    final = await store.mark_received(rid)
-    assert final is not None and final.output_text == "soon"
-    assert not future.done()
-    assert await store.close() == 0  # close flushes without waiting for the interval
-    assert future.done() and future.exception() is None
-    row = await _query(
-        ledger_url, lambda c: c.execute(select(requests).where(requests.c.id == rid)).one()
-    )
-    assert (row.status, row.attempts) == ("completed", 0)
+async def test_mark_received_waits_for_a_verdict_not_yet_committed(ledger_url: str) -> None:
+    """A redelivery arriving while its request's final record is still queued is answered
+    from the committed row (at once: it does not wait out the flush interval)."""
+    rid, refused = _uid(), _uid()
+    async with await LedgerStore.open(ledger_url, flush_interval_s=30) as store:
+        future = store.record(RequestRecord(rid, "completed", output_text="soon"))
+        final = await asyncio.wait_for(store.mark_received(rid), 10)
+        assert future.done() and future.exception() is None
+        assert final is not None and (final.status, final.output_text) == ("completed", "soon")
+        row = await store.get(rid)
+        assert row is not None and (row["status"], row["attempts"]) == ("completed", 0)
+
+        # a verdict the database refuses is no answer: the delivery goes ahead
+        bad = store.record(RequestRecord(refused, "completed", metadata={"x": object()}))
+        assert await asyncio.wait_for(store.mark_received(refused), 10) is None
+        with pytest.raises(LedgerWriteError):
+            bad.result()
+        row = await store.get(refused)
+        assert row is not None and (row["status"], row["attempts"]) == ("running", 1)
 
 
 async def test_close_flushes_pending_records(ledger_url: str) -> None:

@@ -275,6 +275,18 @@ class Harness:
 
     # the broker
 
+    async def submit_long(self, prefix: str, n: int, max_tokens: int) -> list[Handle]:
+        """n requests `<prefix>-<i>` of exactly `max_tokens` tokens each."""
+        return [
+            await self.client.submit(
+                prompt_token_ids=[5, 6, 7 + i],
+                id=f"{prefix}-{i}",
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            )
+            for i in range(n)
+        ]
+
     async def ready_count(self) -> int:
         declared = await self.channel.declare_queue(self.topo.queue, passive=True)
         return int(declared.declaration_result.message_count or 0)
@@ -612,12 +624,7 @@ async def test_killed_worker_requests_complete_exactly_once(
     b = h.start("kill-b", model=tiny_dir, max_num_seqs=4)
     await h.ready(a, b)
 
-    handles = [
-        await h.client.submit(
-            prompt_token_ids=[5, 6, 7 + i], id=f"kill-{i}", max_tokens=230, ignore_eos=True
-        )
-        for i in range(16)
-    ]
+    handles = await h.submit_long("kill", 16, max_tokens=230)
 
     async def a_running() -> list[str]:
         rows = await h.rows()
@@ -644,6 +651,78 @@ async def test_killed_worker_requests_complete_exactly_once(
     assert all(rows[rid]["attempts"] >= 2 for rid in rerun)
     assert await h.dead_letter_count() == 0
     assert b.alive()
+
+
+@pytest.mark.timeout(150)
+async def test_engine_process_death_requeues_and_the_worker_exits(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """The engine process dies (OOM kill, driver crash): its requests are not failed but
+    given back to the queue and served by the other worker; the broken worker exits 1."""
+    h = harness
+    a = h.start("crash-a", model=tiny_dir, max_num_seqs=4)
+    await h.ready(a)
+    handles = await h.submit_long("crash", 8, max_tokens=230)
+
+    async def a_running() -> list[str]:
+        rows = await h.rows()
+        return [rid for rid, r in rows.items() if r["status"] == "running"]
+
+    await eventually(a_running, "requests running on worker A", timeout=30, every=0.02)
+    children = Path(f"/proc/{a.proc.pid}/task/{a.proc.pid}/children").read_text().split()
+    assert children, "the worker has no engine process"
+    for pid in children:
+        os.kill(int(pid), signal.SIGKILL)
+    assert await a.wait(60) == 1, a.tail()
+    assert "engine failed" in a.output()
+
+    b = h.start("crash-b", model=tiny_dir, max_num_seqs=4)
+    await h.ready(b)
+    outcomes = await results(handles, timeout=90)
+    rows = await h.settled([x.id for x in handles])
+    for handle, result in zip(handles, outcomes, strict=True):
+        row = rows[handle.id]
+        assert row["status"] == "completed" and row["completion_tokens"] == 230, row
+        assert stored(result["text"]) == row["output_text"]
+        assert h.client.kinds(handle.id).count("result") == 1, h.client.kinds(handle.id)
+        assert "error" not in h.client.kinds(handle.id)
+    assert any(rows[x.id]["worker_id"] == b.id for x in handles)
+    assert await h.dead_letter_count() == 0
+
+
+@pytest.mark.timeout(90)
+async def test_same_id_published_twice_at_once_is_served_once(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """A producer's retry arriving while the first copy is still being recorded: one
+    run, one row, both copies acked, nothing rejected or dead-lettered."""
+    h = harness
+    w = h.start("twice", model=tiny_dir, max_num_seqs=8)
+    await h.ready(w)
+    ids = [f"dup-{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+    body = {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "seed": 1}
+    for rid in ids:
+        for _ in range(2):
+            await h.publish_raw(msgpack.packb({"id": rid, **body}), rid)
+
+    async def answered() -> bool:
+        return all(h.client.kinds(rid).count("result") >= 1 for rid in ids)
+
+    await eventually(answered, "a result for every id", timeout=60)
+    rows = await h.settled(ids)
+    for rid in ids:
+        assert rows[rid]["status"] == "completed", rows[rid]
+        assert "error" not in h.client.kinds(rid), h.client.replies[rid]
+        texts = {r["text"] for r in h.client.replies[rid] if r["type"] == "result"}
+        assert len(texts) == 1, texts
+
+    async def settled_queue() -> bool:
+        _, unacked = await queue_counts(h.amqp_url, h.topo.queue)
+        return unacked == 0 and await h.ready_count() == 0
+
+    await eventually(settled_queue, "every copy to be acked", timeout=20)
+    assert await h.count_rows() == len(ids)
+    assert await h.dead_letter_count() == 0
 
 
 # -- 5. redelivery of a completed id --

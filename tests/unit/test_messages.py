@@ -228,6 +228,13 @@ def test_enqueued_at_ignores_a_header_that_disagrees_with_the_timestamp():
     assert garbage.enqueued_at is None
 
 
+def test_enqueue_times_in_milliseconds_are_ignored():
+    ms = 1_795_947_101_000.0  # a producer's milliseconds where seconds belong
+    for props in ({"headers": {"x-enqueued-at": ms}}, {"timestamp": ms}):
+        msg = decode_request(_body(id="x", prompt="p"), **props)
+        assert msg.enqueued_at is None, props
+
+
 def test_redelivery_and_delivery_count():
     msg = decode_request(
         _body(id="x", prompt="p"), redelivered=True, headers={"x-delivery-count": 2}

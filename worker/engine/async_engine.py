@@ -202,6 +202,10 @@ class EngineFront(abc.ABC):
         self._stats_listeners: list[Callable[[StepStats], None]] = []
         self._running = False
         self.error: str | None = None
+        # Called with (error, ids of the open requests) when the step loop dies, before
+        # their streams end: the owner decides what becomes of them (the queue worker
+        # gives their messages back to the queue).
+        self.on_failure: Callable[[str, list[str]], None] | None = None
 
     @abc.abstractmethod
     def _send(self, command: Command) -> None:
@@ -294,6 +298,11 @@ class EngineFront(abc.ABC):
         """The step loop is gone: every open stream ends with the error."""
         self.error = error
         self._running = False
+        if self.on_failure is not None:
+            try:
+                self.on_failure(error, list(self._streams))
+            except Exception:
+                log.exception("engine failure callback failed")
         for rid, stream in list(self._streams.items()):
             stream._put(RequestOutput(rid, "", [], True, FinishReason.ABORT, error=error))
         self._streams.clear()

@@ -304,7 +304,7 @@ class LedgerStore:
         self._flush_interval_s = flush_interval_s
         self._retry_max_s = retry_max_s
         self._queue: deque[_Pending] = deque()
-        self._queued_terminal: dict[str, RequestRecord] = {}
+        self._queued_terminal: dict[str, _Pending] = {}
         self._marks: list[_Mark] = []
         self._mark_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -370,11 +370,12 @@ class LedgerStore:
         terminal `rec`, the final row as committed (the first terminal record of this id
         wins, whoever wrote it); None for the others."""
         if self._closing:
-            raise RuntimeError("the ledger store is closed")
+            raise LedgerClosed("the ledger store is closed")
         future: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(rec, future))
+        pending = _Pending(rec, future)
+        self._queue.append(pending)
         if rec.terminal:
-            self._queued_terminal.setdefault(rec.id, rec)
+            self._queued_terminal.setdefault(rec.id, pending)
         self._wake.set()
         if len(self._queue) >= self._batch_size:
             self._full.set()
@@ -390,7 +391,12 @@ class LedgerStore:
             raise TypeError("mark_received sets status and attempts itself")
         queued = self._queued_terminal.get(id)
         if queued is not None:
-            return queued
+            # This request's final record is still being written: wait for it, so the
+            # answer comes from the committed row (another delivery's outcome may win,
+            # and a record the database refuses never becomes an answer).
+            self._full.set()  # write it now rather than at the end of the flush interval
+            with contextlib.suppress(Exception):
+                await asyncio.shield(queued.future)
         given = RequestRecord(id=id, status="running", **fields)
         future: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
         self._marks.append(_Mark(given, frozenset(fields), future))
@@ -564,7 +570,7 @@ class LedgerStore:
             self._recovered()
             for item in batch:
                 self._queue.popleft()
-                if self._queued_terminal.get(item.record.id) is item.record:
+                if self._queued_terminal.get(item.record.id) is item:
                     del self._queued_terminal[item.record.id]
                 if item.future.done():  # the caller cancelled it
                     continue
