@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
+from worker.engine import model_runner
 from worker.engine.engine import LLMEngine
 from worker.model.loader import load_model
 from worker.request import FinishReason, SamplingParams
@@ -176,3 +177,26 @@ def test_static_mode_same_tokens_more_steps(tiny) -> None:
     assert a == b
     # Request-level batching waits for the longest member: more steps for the same work.
     assert len(stat.recent_stats) > len(cont.recent_stats)
+
+
+def test_small_cpu_steps_run_on_one_thread(tiny) -> None:
+    """A step of one or two tokens runs on one OpenMP thread, larger ones on all."""
+    before = torch.get_num_threads()
+    try:
+        eng = make_engine(tiny, num_threads=2)
+        eng.add_request("one", [5], SamplingParams(max_tokens=1))
+        eng.step()
+        assert torch.get_num_threads() == 1
+        eng.add_request("many", list(range(3, 40)), SamplingParams(max_tokens=1))
+        eng.step()
+        assert torch.get_num_threads() == 2
+        # an engine built after a small step left one thread still uses the process's count
+        eng.add_request("two", [5], SamplingParams(max_tokens=1))
+        eng.step()
+        assert torch.get_num_threads() == 1
+        again = make_engine(tiny)
+        again.add_request("many", list(range(3, 40)), SamplingParams(max_tokens=1))
+        again.step()
+        assert torch.get_num_threads() == model_runner._PROCESS_THREADS
+    finally:
+        torch.set_num_threads(before)

@@ -62,6 +62,11 @@ class StepInputs:
     logit_rows: torch.Tensor  # [S] flat rows whose hidden states give the logits
 
 
+SMALL_STEP_TOKENS = 2  # CPU steps of at most this many tokens run on one thread
+# torch's thread count before any runner changed it (a runner's small step sets 1).
+_PROCESS_THREADS = torch.get_num_threads()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
@@ -91,6 +96,11 @@ class ModelRunner:
             for _ in range(mcfg.num_layers)
         ]
         self.workspace = Workspace(self.device, self.dtype)
+        # CPU: a step of one or two tokens runs no faster on several OpenMP threads, but
+        # the idle ones spin between kernels and take a core from the event loop, the
+        # broker and the database sharing the machine; such steps run on one thread.
+        cpu = self.device.type == "cpu"
+        self._threads = (config.num_threads or _PROCESS_THREADS) if cpu else 1
         self.sampler = Sampler(self.device, seed=0)
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
@@ -119,6 +129,10 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         inp = self._prepare(sched.scheduled)
+        if self._threads > 1:
+            want = 1 if inp.input_ids.numel() <= SMALL_STEP_TOKENS else self._threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
         sampling = inp.sampling
         if not sampling:
