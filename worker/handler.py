@@ -17,7 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -41,7 +41,7 @@ from worker.engine.async_engine import EngineFront
 from worker.engine.outputs import RequestOutput
 from worker.ledger.store import LedgerClosed, LedgerStore, LedgerWriteError, RequestRecord
 from worker.model.tokenizer import Tokenizer
-from worker.outcome import Outcome, final_record, timing_of, utc
+from worker.outcome import Outcome, final_record, timing_from_record, timing_of, utc
 from worker.request import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -402,22 +402,6 @@ class RequestHandler:
     def _ledger_reply(self, req: RequestMessage, rec: RequestRecord) -> bytes:
         """The final reply message for a request as its ledger row records it."""
         if rec.status in ("completed", "expired") and rec.output_text is not None:
-            timing = {
-                "enqueued_at": _ts(rec.enqueued_at),
-                "received_at": _ts(rec.received_at),
-                "admitted_at": _ts(rec.admitted_at),
-                "first_token_at": _ts(rec.first_token_at),
-                "finished_at": _ts(rec.finished_at),
-                "queue_s": rec.queue_s,
-                "ttft_s": rec.ttft_s,
-                "prefill_s": rec.prefill_s,
-                "decode_s": rec.decode_s,
-                "e2e_s": rec.e2e_s,
-                "itl_mean_s": rec.itl_mean_s,
-                "itl_p50_s": rec.itl_p50_s,
-                "itl_p99_s": rec.itl_p99_s,
-                "preemptions": rec.preemptions or 0,
-            }
             body = encode_result(
                 req.id,
                 text=rec.output_text,
@@ -425,7 +409,7 @@ class RequestHandler:
                 finish_reason=rec.finish_reason or "stop",
                 prompt_tokens=rec.prompt_tokens or 0,
                 completion_tokens=rec.completion_tokens or 0,
-                timing=timing,
+                timing=timing_from_record(rec),
                 worker=rec.worker_id or self.worker_id,
                 metadata=rec.metadata,
             )
@@ -494,7 +478,3 @@ def _seconds(expiration: object) -> float | None:
 
 def _same_outcome(a: RequestRecord, b: RequestRecord) -> bool:
     return (a.status, a.worker_id, a.finished_at) == (b.status, b.worker_id, b.finished_at)
-
-
-def _ts(d: datetime | None) -> float | None:
-    return None if d is None else d.timestamp()

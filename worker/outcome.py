@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.messages import CANCELLED, EXPIRED, INTERNAL
+from broker.messages import CANCELLED, EXPIRED, INTERNAL, TIMING_FIELDS
 from worker.engine.outputs import RequestOutput
 from worker.ledger.store import RequestRecord
 from worker.request import FinishReason
@@ -72,6 +72,16 @@ def timing_of(
         "itl_p99_s": t.itl_p99_s if t else None,
         "preemptions": t.preemptions if t else 0,
     }
+
+
+def timing_from_record(rec: RequestRecord) -> dict[str, Any]:
+    """The contract's timing map of a ledger row (the inverse of `final_record`'s)."""
+    timing: dict[str, Any] = {}
+    for name in TIMING_FIELDS:
+        value = getattr(rec, name)
+        timing[name] = value.timestamp() if name.endswith("_at") and value else value
+    timing["preemptions"] = rec.preemptions or 0
+    return timing
 
 
 def final_record(

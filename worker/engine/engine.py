@@ -88,6 +88,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded)
         self.info: RuntimeInfo = self.runner.info
         self.scheduler = Scheduler(config, self.info.num_blocks, self.info.max_model_len)
+        self.limits = RequestLimits(
+            self.info.vocab_size, self.scheduler.max_model_len, config.max_tokens_cap
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: StepStats | None = None
         self.recent_stats: collections.deque[StepStats] = collections.deque(maxlen=4096)
@@ -119,12 +122,6 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.output_processor.add(req)
         return req
-
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(
-            self.info.vocab_size, self.scheduler.max_model_len, self.config.max_tokens_cap
-        )
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request cannot be served."""

@@ -270,9 +270,11 @@ def _upsert_requests(dialect: str) -> Any:
     set_["status"] = case((final, t.status), (backwards, t.status), else_=ex.status)
     set_["attempts"] = case((ex.attempts > t.attempts, ex.attempts), else_=t.attempts)
     set_["updated_at"] = ex.updated_at
+    # RETURNING: the row as it stands after the statement. A terminal record always
+    # updates (keeping a final row's values), so it always gets its committed row back.
     return stmt.on_conflict_do_update(
         index_elements=[t.id], set_=set_, where=or_(~final, _is_final(ex.status))
-    )
+    ).returning(*requests_table.c)
 
 
 class LedgerStore:
@@ -618,17 +620,16 @@ class LedgerStore:
         return stored, refused
 
     async def _execute(self, recs: list[RequestRecord], now: datetime) -> dict[str, RequestRecord]:
-        """Upsert `recs`; returns the final rows of the terminal ones, read back in the
-        same transaction."""
+        """Upsert `recs`; returns the committed rows of the terminal ones."""
         start = time.perf_counter()
-        final_ids = [r.id for r in recs if r.terminal]
-        stored: dict[str, RequestRecord] = {}
+        final_ids = {r.id for r in recs if r.terminal}
         async with self._engine.begin() as conn:
-            await conn.execute(self._upsert, [r.row(now) for r in recs])
-            if final_ids:
-                stmt = select(requests_table).where(requests_table.c.id.in_(final_ids))
-                res = await conn.execute(stmt)
-                stored = {row["id"]: RequestRecord.from_row(row) for row in res.mappings()}
+            res = await conn.execute(self._upsert, [r.row(now) for r in recs])
+            stored = {
+                row["id"]: RequestRecord.from_row(row)
+                for row in res.mappings()
+                if row["id"] in final_ids
+            }
         self.write_latency.observe(time.perf_counter() - start)
         self.records_written += len(recs)
         return stored
