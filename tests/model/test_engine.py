@@ -200,3 +200,30 @@ def test_small_cpu_steps_run_on_one_thread(tiny) -> None:
         assert torch.get_num_threads() == model_runner._PROCESS_THREADS
     finally:
         torch.set_num_threads(before)
+
+
+def test_hold_hook_stops_progress_until_the_gate_opens(tiny, tmp_path, monkeypatch) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setenv("KVFLOW_TEST_HOOKS", f'{{"hold_token": 7, "gate": "{gate}"}}')
+    eng = make_engine(tiny)
+    eng.add_request(
+        "held", [5, 7, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
+    eng.add_request(
+        "free", [5, 8, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
+    first = eng.step()  # the prefill: both produce their first token
+    assert {o.request_id for o in first} == {"held", "free"}
+    for _ in range(20):  # closed gate: no progress, whatever the number of steps
+        assert eng.step() == []
+    assert eng.scheduler.requests["held"].num_output_tokens == 1
+    # an abort still applies while held
+    assert [o.request_id for o in eng.abort(["free"])] == ["free"]
+    gate.unlink()
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert len(done["held"].token_ids) == 4

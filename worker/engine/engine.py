@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import EngineConfig
+from worker.engine.faults import TestHooks
 from worker.engine.model_runner import ModelRunner, RuntimeInfo
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput, StepStats
@@ -95,6 +96,7 @@ class LLMEngine:
         self.last_stats: StepStats | None = None
         self.recent_stats: collections.deque[StepStats] = collections.deque(maxlen=4096)
         self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self.hooks = TestHooks.from_env()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -154,9 +156,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of every request that changed."""
+        if self.hooks is not None and self.hooks.holding(self.scheduler.running):
+            time.sleep(0.005)
+            self.last_stats = None
+            return []
         t0 = time.perf_counter()
         started = time.time()
         sched = self.scheduler.schedule()
+        if self.hooks is not None:
+            self.hooks.check_crash(self.scheduler.requests[s.request_id] for s in sched.scheduled)
         core = list(sched.finished)
         forward_s = sample_s = 0.0
         sampled = 0
