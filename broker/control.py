@@ -48,7 +48,7 @@ class ControlCommand:
         return self.target in (ALL, worker_id)
 
     def encode(self) -> bytes:
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             {
                 "cmd": self.cmd,
                 "target": self.target,
@@ -58,6 +58,7 @@ class ControlCommand:
             },
             use_bin_type=True,
         )
+        return packed
 
     @classmethod
     def decode(cls, body: bytes) -> ControlCommand:
@@ -90,7 +91,7 @@ class ControlReply:
     error: str | None = None
 
     def encode(self) -> bytes:
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             {
                 "id": self.id,
                 "worker": self.worker,
@@ -102,6 +103,7 @@ class ControlReply:
             },
             use_bin_type=True,
         )
+        return packed
 
     @classmethod
     def decode(cls, body: bytes) -> ControlReply:

@@ -7,10 +7,10 @@ belongs to the Metrics object (no process-global state), served by `serve()`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from worker.engine.outputs import RequestOutput, StepStats
@@ -233,7 +233,7 @@ class _LedgerCollector(Collector):
         self._labels = labels
         self._pending, self._latency, self._errors = pending, latency, errors
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         names, values = list(self._labels), list(self._labels.values())
         count, total = self._latency()
         g = GaugeMetricFamily(
@@ -259,5 +259,5 @@ class _LedgerCollector(Collector):
         e.add_metric(values, self._errors())
         yield e
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []

@@ -175,7 +175,7 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
-class TimeParam(click.ParamType):
+class TimeParam(click.ParamType):  # type: ignore[type-arg]
     """A click parameter for `parse_time`."""
 
     name = "time"

@@ -98,7 +98,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = Rotary.rotate(q, *rope), Rotary.rotate(k, *rope)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.view(T, self.q_size))
+        out: torch.Tensor = self.o_proj(o.view(T, self.q_size))
+        return out
 
 
 class MLP(nn.Module):
@@ -111,7 +112,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -126,7 +128,8 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
-        return x
+        out: torch.Tensor = x
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, C] hidden states of the positions that sample -> [S, V] float32 logits."""

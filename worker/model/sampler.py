@@ -404,7 +404,7 @@ def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Te
     # left out has a max no better than every chosen block's) or in the short tail, so
     # topk only scans those.
     nb = vocab // _CANDIDATE_BLOCK
-    head = x[:, : nb * _CANDIDATE_BLOCK].unflatten(-1, (nb, _CANDIDATE_BLOCK))  # [R, nb, B]
+    head = x[:, : nb * _CANDIDATE_BLOCK].view(x.shape[0], nb, _CANDIDATE_BLOCK)  # [R, nb, B]
     blocks = head.amax(-1).topk(width, -1, sorted=False).indices  # [R, width]
     cols = blocks[:, :, None] * _CANDIDATE_BLOCK + torch.arange(_CANDIDATE_BLOCK, device=x.device)
     cols = cols.flatten(1)  # [R, width * B]
@@ -419,7 +419,7 @@ def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
     """Maxima of consecutive blocks of `block` columns of x [R, V]: [R, ceil(V / block)]."""
     vocab = x.shape[1]
     nb = vocab // block
-    out = x[:, : nb * block].unflatten(-1, (nb, block)).amax(-1)
+    out: torch.Tensor = x[:, : nb * block].view(x.shape[0], nb, block).amax(-1)
     if vocab % block:
         out = torch.cat([out, x[:, nb * block :].amax(-1, keepdim=True)], -1)
     return out
