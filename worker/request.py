@@ -17,6 +17,14 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 
 
+class InvalidInput(ValueError):
+    """A request that can never be served as given; the message tells the user why."""
+
+
+class PromptTooLong(InvalidInput):
+    """The prompt leaves no room for output in the model's context or the KV cache."""
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Ordered: everything after PREEMPTED is finished."""
 
@@ -94,7 +102,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(msg: str) -> None:
-            raise ValueError(msg)
+            raise InvalidInput(msg)
 
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
@@ -161,14 +169,14 @@ class SamplingParams:
 
 def _check_int(name: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+        raise InvalidInput(f"{name} must be an integer, got {type(v).__name__} {v!r}")
 
 
 def _check_number(name: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+        raise InvalidInput(f"{name} must be a number, got {type(v).__name__} {v!r}")
     if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v!r}")
+        raise InvalidInput(f"{name} must be finite, got {v!r}")
 
 
 @dataclass

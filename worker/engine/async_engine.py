@@ -22,9 +22,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from worker.engine.engine import Capacity, LLMEngine, RequestLimits
+from worker.engine.engine import Capacity, LLMEngine
 from worker.engine.model_runner import RuntimeInfo
 from worker.engine.outputs import RequestOutput, StepStats
+from worker.limits import RequestLimits
 from worker.model.tokenizer import Tokenizer
 from worker.request import FinishReason, SamplingParams
 

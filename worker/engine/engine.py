@@ -18,7 +18,8 @@ from worker.engine.faults import TestHooks
 from worker.engine.model_runner import ModelRunner, RuntimeInfo
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput, StepStats
-from worker.engine.scheduler import Scheduler, check_prompt_fits
+from worker.engine.scheduler import Scheduler
+from worker.limits import RequestLimits
 from worker.model.loader import LoadedModel, load_model
 from worker.request import Request, RequestStatus, SamplingParams
 
@@ -45,28 +46,6 @@ class Capacity:
         """A free sequence slot and KV room for this prompt plus a reserve of blocks."""
         need = num_prompt_tokens + reserve_blocks * self.block_size
         return self.free_seqs > 0 and self.free_tokens >= need
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request must satisfy to be served; checkable without the engine itself."""
-
-    vocab_size: int
-    max_model_len: int  # prompt + output tokens a sequence may hold (model and KV bound)
-    max_tokens_cap: int | None
-
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError with a user-facing message if the request cannot be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        vocab = self.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        check_prompt_fits(len(prompt_token_ids), self.max_model_len)
-        cap = self.max_tokens_cap
-        if cap is not None and params.max_tokens > cap:
-            raise ValueError(f"max_tokens {params.max_tokens} is above this worker's cap of {cap}")
 
 
 class LLMEngine:

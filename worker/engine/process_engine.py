@@ -26,8 +26,9 @@ from pathlib import Path
 
 from worker.config import EngineConfig
 from worker.engine.async_engine import Command, EngineFront, StepDriver, StepReport, Stop
-from worker.engine.engine import Capacity, LLMEngine, RequestLimits
+from worker.engine.engine import Capacity, LLMEngine
 from worker.engine.model_runner import RuntimeInfo
+from worker.limits import RequestLimits
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -41,16 +41,8 @@ from worker.engine.outputs import (
     SchedulerOutput,
 )
 from worker.engine.policy import make_policy
+from worker.limits import check_prompt_fits
 from worker.request import Request, RequestStatus
-
-
-def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
-    """ValueError unless a prompt this long can ever run (and leave room for a token)."""
-    if num_prompt_tokens >= max_model_len:
-        raise ValueError(
-            f"the prompt has {num_prompt_tokens} tokens; this engine takes prompts "
-            f"of at most {max_model_len - 1} tokens (model context / KV capacity)"
-        )
 
 
 class Scheduler:

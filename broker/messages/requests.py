@@ -1,0 +1,146 @@
+"""Decode (worker) and encode (producer) a request body under contract v1."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+
+from broker.messages.checks import check_fields, describe, wire_type
+from broker.messages.contract import (
+    ACCEPTED_CONTENT_TYPES,
+    CONTENT_TYPE,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    INVALID_REQUEST,
+    MAX_ID_LENGTH,
+    InvalidRequest,
+    RequestMessage,
+    pack,
+)
+from broker.messages.properties import delivery_count, enqueued_at
+
+
+def _usable_id(value: str) -> bool:
+    """An id the ledger can key on: printable (no NUL or control characters), not too long."""
+    return 0 < len(value) <= MAX_ID_LENGTH and value.isprintable()
+
+
+def decode_request(
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    message_id: str | None = None,
+    correlation_id: str | None = None,
+    reply_to: str | None = None,
+    timestamp: dt.datetime | float | None = None,
+    expiration: float | str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    redelivered: bool = False,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    received_at: float | None = None,
+) -> RequestMessage:
+    """Decode and type-check a request body and its AMQP properties.
+
+    `timestamp` is the AMQP timestamp (a datetime as aio-pika gives it, or unix
+    seconds). `expiration` is in seconds as aio-pika decodes it; a string is the raw
+    AMQP property, in milliseconds. `received_at` (default: now) stands in for the
+    enqueue time when an expiration comes without one. Raises `InvalidRequest`.
+    """
+    reply_to = reply_to or None
+    given_id = message_id or correlation_id or None
+    # An error is recorded under this id; without a usable one, under one of the worker's.
+    fallback_id = given_id if given_id is not None and _usable_id(given_id) else None
+
+    def fail(msg: str, request_id: str | None = fallback_id) -> InvalidRequest:
+        return InvalidRequest(
+            INVALID_REQUEST, msg, request_id, reply_to, correlation_id or request_id
+        )
+
+    if len(body) > max_message_bytes:
+        raise fail(f"message body is {len(body)} bytes, over the limit of {max_message_bytes}")
+    if content_type and content_type.split(";")[0].strip() not in ACCEPTED_CONTENT_TYPES:
+        raise fail(f"content_type must be {CONTENT_TYPE!r}, got {content_type!r}")
+    try:
+        data = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise fail(f"body is not valid msgpack: {e}") from None
+    if not isinstance(data, dict):
+        raise fail(f"body must be a msgpack map, got {wire_type(data)}")
+
+    raw_id = data.get("id")
+    if raw_id is not None and not isinstance(raw_id, str):
+        raise fail(f"id must be a string, got {describe(raw_id)}")
+    request_id = raw_id or given_id
+    if not request_id:
+        raise fail("missing id: set the 'id' field, or the AMQP message_id or correlation_id")
+    if len(request_id) > MAX_ID_LENGTH:
+        raise fail(f"id is {len(request_id)} characters long, over the limit of {MAX_ID_LENGTH}")
+    if not _usable_id(request_id):
+        raise fail(f"id must be printable text, got {request_id!r}")
+    try:
+        fields = check_fields(data)
+    except ValueError as e:
+        raise fail(str(e), request_id) from None
+
+    enqueued = enqueued_at(timestamp, headers)
+    deadline = fields.pop("deadline", None)
+    if expiration is not None:
+        try:
+            ttl = float(expiration) / 1000.0 if isinstance(expiration, str) else float(expiration)
+        except ValueError:
+            raise fail(f"AMQP expiration must be milliseconds, got {expiration!r}") from None
+        base = enqueued if enqueued is not None else (received_at or time.time())
+        deadline = base + ttl if deadline is None else min(deadline, base + ttl)
+
+    return RequestMessage(
+        id=request_id,
+        deadline=deadline,
+        reply_to=reply_to,
+        correlation_id=correlation_id or request_id,
+        enqueued_at=enqueued,
+        redelivered=bool(redelivered),
+        delivery_count=delivery_count(headers),
+        **fields,
+    )
+
+
+def encode_request(
+    *,
+    id: str,
+    prompt: str | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    sampling: Mapping[str, Any] | None = None,
+    priority: int | None = None,
+    deadline: float | None = None,
+    stream: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Encode a request body, checked with the same rules the worker applies.
+
+    Raises `InvalidRequest` (a ValueError) for anything `decode_request` would refuse.
+    """
+    data: dict[str, Any] = {"id": id}
+    if prompt is not None:
+        data["prompt"] = prompt
+    if messages is not None:
+        data["messages"] = [dict(m) if isinstance(m, Mapping) else m for m in messages]
+    if prompt_token_ids is not None:
+        data["prompt_token_ids"] = list(prompt_token_ids)
+    for key, value in (sampling or {}).items():
+        if value is not None:
+            data[key] = list(value) if isinstance(value, tuple) else value
+    if priority is not None:
+        data["priority"] = priority
+    if deadline is not None:
+        data["deadline"] = deadline
+    if metadata is not None:
+        data["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
+    if stream:
+        data["stream"] = True
+    body = pack(data)
+    decode_request(body, max_message_bytes=max(len(body), DEFAULT_MAX_MESSAGE_BYTES))
+    return body
