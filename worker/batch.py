@@ -20,14 +20,15 @@ from typing import Any, Protocol, TextIO
 
 from tqdm import tqdm
 
-from broker.messages import INVALID_REQUEST
+from worker.builder import EngineRequest, RequestBuilder
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import RequestOutput
 from worker.ledger.store import RequestRecord
 from worker.model.sampler import TokenLogprobs
-from worker.openai_format import ParsedBody, parse_body, response_body
-from worker.outcome import Outcome, final_record, timing_of, utc
-from worker.request import TimingSummary, percentile
+from worker.openai_format import parse_body, response_body
+from worker.outcome import Outcome
+from worker.records import Origin, error_record, final_record
+from worker.request import InvalidInput, TimingSummary, percentile
 
 
 @dataclass
@@ -37,7 +38,8 @@ class BatchItem:
     line_no: int
     custom_id: str | None
     url: str = ""
-    parsed: ParsedBody | None = None
+    kind: str = "chat"  # "chat" | "completion"
+    request: EngineRequest | None = None
     error: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     output: RequestOutput | None = None
@@ -84,6 +86,7 @@ class BatchSummary:
 
 def read_items(lines: Iterable[str], engine: LLMEngine) -> list[BatchItem]:
     """Parse and validate every input line; bad lines carry their error."""
+    builder = RequestBuilder(engine.tokenizer, engine.limits)
     items = []
     for no, line in enumerate(lines, start=1):
         if not line.strip():
@@ -105,11 +108,15 @@ def read_items(lines: Iterable[str], engine: LLMEngine) -> list[BatchItem]:
             if obj.get("method", "POST") != "POST":
                 raise ValueError(f"method must be POST, got {obj.get('method')!r}")
             item.url = obj.get("url", "")
-            parsed = parse_body(
-                item.url, obj.get("body"), engine.tokenizer, engine.info.max_model_len
+            parsed = parse_body(item.url, obj.get("body"), engine.info.model_name)
+            item.kind = parsed.kind
+            item.request = builder.build(
+                item.request_id,
+                builder.tokenize(parsed.prompt),
+                parsed.sampling,
+                default_max_tokens=parsed.default_max_tokens,
+                priority=parsed.priority,
             )
-            engine.validate(parsed.prompt_token_ids, parsed.params)
-            item.parsed = parsed
         except ValueError as e:
             item.error = f"line {no}: {e}"
     seen: set[str] = set()
@@ -131,14 +138,15 @@ def run_items(
     start = time.time()
     by_id: dict[str, BatchItem] = {}
     for item in items:
-        if item.parsed is None or item.error is not None:
+        req = item.request
+        if req is None or item.error is not None:
             continue
         engine.add_request(
-            item.request_id,
-            item.parsed.prompt_token_ids,
-            item.parsed.params,
+            req.request_id,
+            req.prompt_token_ids,
+            req.params,
             arrival_time=start,
-            priority=item.parsed.priority,
+            priority=req.priority,
         )
         by_id[item.request_id] = item
     bar = tqdm(
@@ -188,7 +196,7 @@ def result_line(item: BatchItem, engine: LLMEngine) -> dict[str, Any]:
     """The output JSONL object for one input line."""
     base: dict[str, Any] = {"id": f"batch_req_{item.request_id}", "custom_id": item.custom_id}
     out = item.output
-    if item.error is not None or out is None or item.parsed is None:
+    if item.error is not None or out is None or item.request is None:
         msg = item.error or (out.error if out is not None else None) or "request did not finish"
         return {
             **base,
@@ -202,7 +210,7 @@ def result_line(item: BatchItem, engine: LLMEngine) -> dict[str, Any]:
             "error": {"code": "internal", "message": out.error},
         }
     body = response_body(
-        item.parsed.kind,
+        item.kind,
         item.request_id,
         engine.info.model_name,
         _with_logprobs(out, item.logprobs),
@@ -253,34 +261,20 @@ def ledger_record(
     item: BatchItem, engine: LLMEngine, source_name: str, started: float
 ) -> RequestRecord:
     """The item's ledger row: the same shape the queue worker writes."""
-    metadata = {"custom_id": item.custom_id, "batch": source_name, "line": item.line_no}
-    worker_id = f"run-batch:{socket.gethostname()}:{os.getpid()}"
-    out = item.output
-    if item.parsed is None or out is None or item.error is not None:
-        return RequestRecord(
-            id=item.request_id,
-            status="rejected",
-            error=item.error or "the request did not finish",
-            error_code=INVALID_REQUEST,
-            model=engine.info.model_name,
-            worker_id=worker_id,
-            received_at=utc(started),
-            finished_at=utc(time.time()),
-            metadata=metadata,
-            source="batch",
-        )
-    return final_record(
-        item.request_id,
-        out,
-        Outcome.of(out),
-        timing_of(out, started, started),
-        model=engine.info.model_name,
-        worker_id=worker_id,
+    req, out = item.request, item.output
+    origin = Origin(
+        worker_id=f"run-batch:{socket.gethostname()}:{os.getpid()}",
         source="batch",
-        prompt_tokens=len(item.parsed.prompt_token_ids),
-        priority=item.parsed.priority,
-        metadata=metadata,
+        model=engine.info.model_name,
+        priority=req.priority if req is not None else None,
+        enqueued_at=started,
+        received_at=started,
+        metadata={"custom_id": item.custom_id, "batch": source_name, "line": item.line_no},
     )
+    if req is None or out is None or item.error is not None:
+        text = item.error or "the request did not finish"
+        return error_record(item.request_id, Outcome.invalid(InvalidInput(text)), origin)
+    return final_record(item.request_id, out, origin, prompt_tokens=len(req.prompt_token_ids))
 
 
 def run_batch_file(

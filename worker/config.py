@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from worker.limits import QUEUE_DEFAULT_MAX_TOKENS
+
 Policy = Literal["fcfs", "priority"]
 Scheduling = Literal["continuous", "static"]
 
@@ -157,7 +159,7 @@ class ServiceConfig:
     lookahead: int = 2
     # Pull only while this many KV blocks stay free beyond the waiting prompts.
     reserve_blocks: int = 4
-    default_max_tokens: int = 256
+    default_max_tokens: int = QUEUE_DEFAULT_MAX_TOKENS
     max_message_bytes: int = 1 << 20
     delivery_limit: int = 5
     drain_timeout_s: float = 60.0

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 
 from worker.request import InvalidInput, PromptTooLong, SamplingParams
 
+# max_tokens when a request does not give it, by input format (None: the rest of the
+# context after the prompt). Every default is clamped to what the context leaves.
+QUEUE_DEFAULT_MAX_TOKENS = 256  # contract v1
+CHAT_DEFAULT_MAX_TOKENS: int | None = None  # OpenAI chat completions
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI completions
+
 # The ledger stores priority in a 32-bit column.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker.builder import Prompt
 from worker.engine.outputs import RequestOutput
+from worker.limits import CHAT_DEFAULT_MAX_TOKENS, COMPLETIONS_DEFAULT_MAX_TOKENS
 from worker.model.sampler import TokenLogprobs
 from worker.model.tokenizer import Tokenizer
-from worker.request import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -34,7 +35,8 @@ _SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-# Accepted and ignored (they do not change what is generated here).
+# Accepted and ignored (they do not change what is generated here); `model`, if given,
+# must name the served model.
 _IGNORED_FIELDS = ("model", "user", "metadata", "service_tier", "store")
 _CHAT_ONLY = ("messages", "top_logprobs", "max_completion_tokens")
 _COMPLETION_ONLY = ("prompt", "echo")
@@ -52,15 +54,18 @@ _COMMON = (
 
 
 @dataclass(frozen=True)
-class ParsedBody:
+class OpenAIRequest:
+    """A checked OpenAI body, ready for `worker.builder.RequestBuilder`."""
+
     kind: str  # "chat" | "completion"
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    prompt: Prompt
+    sampling: dict[str, Any]  # SamplingParams fields the body gave
     priority: int
+    default_max_tokens: int | None  # OpenAI's, by kind (None: the rest of the context)
 
 
-def parse_body(url: str, body: Any, tokenizer: Tokenizer, max_model_len: int) -> ParsedBody:
-    """Validate an OpenAI request body and turn it into tokens + sampling parameters."""
+def parse_body(url: str, body: Any, served_model: str) -> OpenAIRequest:
+    """Check an OpenAI request body's shape; ValueError names what is wrong."""
     if url not in (CHAT_URL, COMPLETIONS_URL):
         raise ValueError(f"url must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}")
     if not isinstance(body, Mapping):
@@ -70,6 +75,9 @@ def parse_body(url: str, body: Any, tokenizer: Tokenizer, max_model_len: int) ->
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ValueError(f"unknown field(s) in body: {', '.join(unknown)}")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise ValueError(f"model {model!r} is not served here; this batch runs {served_model!r}")
     if body.get("n", 1) != 1:
         raise ValueError(f"n must be 1, got {body.get('n')!r}")
     if body.get("stream", False) not in (False, None):
@@ -80,9 +88,9 @@ def parse_body(url: str, body: Any, tokenizer: Tokenizer, max_model_len: int) ->
     if chat:
         if "messages" not in body:
             raise ValueError("a chat request needs 'messages'")
-        prompt_ids = tokenizer.encode_chat(body["messages"])
+        prompt = Prompt(messages=_messages(body["messages"]))
     else:
-        prompt_ids = _completion_prompt(body, tokenizer)
+        prompt = _completion_prompt(body)
 
     fields: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     stop = body.get("stop")
@@ -99,21 +107,30 @@ def parse_body(url: str, body: Any, tokenizer: Tokenizer, max_model_len: int) ->
     fields["logprobs"] = _logprobs(body, chat)
     max_tokens = body.get("max_completion_tokens") if chat else None
     max_tokens = body.get("max_tokens", max_tokens)
-    if max_tokens is None:
-        # OpenAI's defaults: chat runs to the end of the context, completions stop at 16.
-        max_tokens = max(1, max_model_len - len(prompt_ids)) if chat else 16
-    fields["max_tokens"] = max_tokens
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
     if "skip_special_tokens" in body:
         fields["skip_special_tokens"] = body["skip_special_tokens"]
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an integer, got {priority!r}")
-    return ParsedBody(
-        "chat" if chat else "completion", prompt_ids, SamplingParams(**fields), priority
+    return OpenAIRequest(
+        "chat" if chat else "completion",
+        prompt,
+        fields,
+        priority,
+        CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
     )
 
 
-def _completion_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
+def _messages(value: Any) -> list[dict[str, str]]:
+    """The messages as a list of objects; the tokenizer checks their roles and contents."""
+    if not isinstance(value, list) or not all(isinstance(m, Mapping) for m in value):
+        raise ValueError("messages must be a list of {role, content} objects")
+    return [dict(m) for m in value]
+
+
+def _completion_prompt(body: Mapping[str, Any]) -> Prompt:
     if "prompt" not in body:
         raise ValueError("a completion request needs 'prompt'")
     prompt = body["prompt"]
@@ -122,13 +139,13 @@ def _completion_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[in
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
-        return tokenizer.encode(prompt)
+        return Prompt(text=prompt)
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return list(prompt)
+        return Prompt(token_ids=list(prompt))
     raise ValueError("prompt must be a non-empty string or a list of token ids")
 
 

@@ -1,30 +1,30 @@
-"""What a finished request becomes: its ledger status, error code, timing and row.
+"""How a request ended, typed: its ledger status, its error code and the text a user reads.
 
-Shared by the queue worker (`worker.handler`) and `kvflow run-batch`, so the two leave
-the same trail in the ledger.
+Every error text a user can see is written here, once; the queue worker and
+`kvflow run-batch` both describe their outcomes with `Outcome`.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
 
-from broker.messages import CANCELLED, EXPIRED, INTERNAL, TIMING_FIELDS
+from broker.messages import ErrorCode
 from worker.engine.outputs import RequestOutput
-from worker.ledger.store import RequestRecord
-from worker.request import FinishReason
+from worker.request import FinishReason, InvalidInput, PromptTooLong
 
-_MESSAGES = {
-    CANCELLED: "cancelled by an operator",
-    EXPIRED: "the request's deadline passed before it started",
+CANCELLED_TEXT = "cancelled by an operator"
+EXPIRED_TEXT = "the request's deadline passed before it started"
+INTERNAL_TEXT = "internal error while serving the request (see the worker's log)"
+NO_FINISH_TEXT = "the request ended without a finish reason"
+
+# The ledger status an error code ends in.
+_STATUS_OF = {
+    ErrorCode.INVALID_REQUEST: "rejected",
+    ErrorCode.PROMPT_TOO_LONG: "rejected",
+    ErrorCode.EXPIRED: "expired",
+    ErrorCode.CANCELLED: "cancelled",
+    ErrorCode.INTERNAL: "failed",
 }
-
-
-def utc(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC)
 
 
 @dataclass(frozen=True)
@@ -32,102 +32,48 @@ class Outcome:
     """status: the ledger's; code: the error reply's code (None = a normal result)."""
 
     status: str
-    code: str | None
-    error: str | None
+    code: ErrorCode | None = None
+    error: str | None = None
+
+    @property
+    def is_result(self) -> bool:
+        """A result reply (text and tokens), possibly partial; else an error reply."""
+        return self.code is None
+
+    @classmethod
+    def error_of(cls, code: ErrorCode, text: str) -> Outcome:
+        """An outcome that is an error reply: status follows from the code."""
+        return cls(_STATUS_OF[code], code, text)
+
+    @classmethod
+    def cancelled(cls) -> Outcome:
+        return cls.error_of(ErrorCode.CANCELLED, CANCELLED_TEXT)
+
+    @classmethod
+    def expired(cls) -> Outcome:
+        return cls.error_of(ErrorCode.EXPIRED, EXPIRED_TEXT)
+
+    @classmethod
+    def internal(cls, text: str = INTERNAL_TEXT) -> Outcome:
+        return cls.error_of(ErrorCode.INTERNAL, text)
+
+    @classmethod
+    def invalid(cls, error: InvalidInput) -> Outcome:
+        """Bad input, as the request builder or the engine's limits described it."""
+        code = ErrorCode.PROMPT_TOO_LONG if isinstance(error, PromptTooLong) else None
+        return cls.error_of(code or ErrorCode.INVALID_REQUEST, str(error))
 
     @classmethod
     def of(cls, out: RequestOutput) -> Outcome:
+        """The outcome of a request the engine ran."""
         if out.error is not None:
-            return cls("failed", INTERNAL, out.error)
+            return cls.internal(out.error)
         reason = out.finish_reason
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            return cls("completed", None, None)
+            return cls("completed")
         if reason == FinishReason.DEADLINE:
             # Expired while waiting, never started: an error. Mid-generation: a partial result.
-            code = EXPIRED if not out.token_ids else None
-            return cls("expired", code, _MESSAGES[EXPIRED] if code else None)
+            return cls.expired() if not out.token_ids else cls("expired")
         if reason == FinishReason.ABORT:
-            return cls("cancelled", CANCELLED, _MESSAGES[CANCELLED])
-        return cls("failed", INTERNAL, "the request ended without a finish reason")
-
-
-def timing_of(
-    out: RequestOutput, enqueued_at: float | None, received_at: float | None
-) -> dict[str, Any]:
-    """The contract's timing map (unix seconds for *_at, seconds for *_s)."""
-    t = out.timing
-    return {
-        "enqueued_at": enqueued_at,
-        "received_at": received_at,
-        "admitted_at": t.admitted_at if t else None,
-        "first_token_at": t.first_token_at if t else None,
-        "finished_at": t.finished_at if t and t.finished_at else time.time(),
-        "queue_s": t.queue_s if t else None,
-        "ttft_s": t.ttft_s if t else None,
-        "prefill_s": t.prefill_s if t else None,
-        "decode_s": t.decode_s if t else None,
-        "e2e_s": t.e2e_s if t else None,
-        "itl_mean_s": t.itl_mean_s if t else None,
-        "itl_p50_s": t.itl_p50_s if t else None,
-        "itl_p99_s": t.itl_p99_s if t else None,
-        "preemptions": t.preemptions if t else 0,
-    }
-
-
-def timing_from_record(rec: RequestRecord) -> dict[str, Any]:
-    """The contract's timing map of a ledger row (the inverse of `final_record`'s)."""
-    timing: dict[str, Any] = {}
-    for name in TIMING_FIELDS:
-        value = getattr(rec, name)
-        timing[name] = value.timestamp() if name.endswith("_at") and value else value
-    timing["preemptions"] = rec.preemptions or 0
-    return timing
-
-
-def final_record(
-    request_id: str,
-    out: RequestOutput,
-    outcome: Outcome,
-    timing: Mapping[str, Any],
-    *,
-    model: str,
-    worker_id: str,
-    source: str,
-    prompt_tokens: int,
-    prompt: str | None = None,
-    priority: int | None = None,
-    metadata: Mapping[str, Any] | None = None,
-) -> RequestRecord:
-    """The request's final ledger row."""
-    return RequestRecord(
-        id=request_id,
-        status=outcome.status,
-        model=model,
-        prompt=prompt,
-        prompt_tokens=out.num_prompt_tokens or prompt_tokens,
-        completion_tokens=len(out.token_ids),
-        cached_tokens=out.num_cached_tokens,
-        output_text=out.text,
-        output_token_ids=out.token_ids,
-        finish_reason=str(out.finish_reason) if out.finish_reason else None,
-        error=outcome.error,
-        error_code=outcome.code,
-        priority=priority,
-        worker_id=worker_id,
-        enqueued_at=utc(timing["enqueued_at"]),
-        received_at=utc(timing["received_at"]),
-        admitted_at=utc(timing["admitted_at"]),
-        first_token_at=utc(timing["first_token_at"]),
-        finished_at=utc(timing["finished_at"]),
-        queue_s=timing["queue_s"],
-        ttft_s=timing["ttft_s"],
-        prefill_s=timing["prefill_s"],
-        decode_s=timing["decode_s"],
-        e2e_s=timing["e2e_s"],
-        itl_mean_s=timing["itl_mean_s"],
-        itl_p50_s=timing["itl_p50_s"],
-        itl_p99_s=timing["itl_p99_s"],
-        preemptions=int(timing["preemptions"] or 0),
-        metadata=metadata,
-        source=source,
-    )
+            return cls.cancelled()
+        return cls.internal(NO_FINISH_TEXT)

@@ -104,7 +104,7 @@ class InvalidRequest(ValueError):
 
     def __init__(
         self,
-        code: str,
+        code: ErrorCode,
         message: str,
         request_id: str | None = None,
         reply_to: str | None = None,

@@ -116,6 +116,9 @@ def test_round_trip_chat_and_completion(engine) -> None:
         (line("l", url="/v1/completions", prompt="x" * 20000), "prompt has"),
         (line("v", url="/v1/completions", prompt=[10**8]), "outside the vocabulary"),
         (line("s", messages=chat("x"), stop=[1]), "stop strings"),
+        (line("w", messages=chat("x"), model="gpt-4o"), "'gpt-4o' is not served here"),
+        (line("x", messages=chat("x"), max_tokens=10**9), "more than the context leaves"),
+        (line("y", url="/v1/completions", prompt="x", max_tokens=256), "at most 25"),
     ],
     ids=lambda v: v[:24] if isinstance(v, str) else None,
 )
@@ -128,6 +131,19 @@ def test_bad_lines_become_errors_and_batch_goes_on(engine, raw: str, message: st
     assert message in bad["error"]["message"], bad["error"]["message"]
     assert "line 2" in bad["error"]["message"]
     assert res[0]["response"]["status_code"] == 200 and res[2]["response"]["status_code"] == 200
+
+
+def test_model_named_as_served_and_default_max_tokens_fit_the_context(engine) -> None:
+    served = engine.info.model_name
+    res = run(engine, [line("a", url="/v1/completions", prompt=[5, 6, 7], model=served)])
+    body = res[0]["response"]["body"]
+    assert res[0]["error"] is None and body["model"] == served
+    assert body["usage"]["completion_tokens"] <= 16  # the completions default
+    # a chat request without max_tokens may run to the end of the context, never past it
+    items = read_items([line("b", messages=chat("x"))], engine)
+    req = items[0].request
+    assert req is not None
+    assert len(req.prompt_token_ids) + req.params.max_tokens == engine.limits.max_model_len
 
 
 def test_duplicate_custom_id_rejected(engine) -> None:
@@ -147,7 +163,7 @@ def test_summary_figures(engine) -> None:
     items = read_items(lines, engine)
     s = run_items(engine, items, progress=False)
     assert s.requests == 6 and s.failed == 0 and s.output_tokens == 24
-    assert s.prompt_tokens == sum(len(i.parsed.prompt_token_ids) for i in items)
+    assert s.prompt_tokens == sum(len(i.request.prompt_token_ids) for i in items if i.request)
     # every request shares the default system prompt: the prefix cache serves part of it
     assert s.cached_tokens > 0 and 0 < s.prefix_hit_rate < 1
     table = s.table()

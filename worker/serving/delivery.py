@@ -1,0 +1,256 @@
+"""One delivery, from the message to its outcome: decode, check, admit, stream, finish.
+
+`Delivery.handle` decides what becomes of a message; `Settlement` carries it out
+(commit, reply, ack). The path of a request that runs:
+
+1. decode the body under contract v1 (bad input: rejected, dead-lettered);
+2. a second delivery of an id already served here parks behind the first;
+3. cancelled by an operator, or past its deadline: ended without running;
+4. mark it received in the ledger; an id that already ended is answered from there;
+5. build the engine request (one builder for every input format: defaults, limits);
+6. checked again just before it enters the engine: cancelled? still accepting work?
+7. stream deltas to the producer while the engine runs it;
+8. the final record and reply, settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from broker.messages import InvalidRequest, RequestMessage, decode_request
+from worker.builder import EngineRequest, Prompt, RequestBuilder
+from worker.engine.async_engine import EngineFront, RequestStream
+from worker.engine.outputs import RequestOutput
+from worker.ledger.store import LedgerClosed, LedgerStore
+from worker.metrics import Metrics
+from worker.model.sampler import TokenLogprobs
+from worker.outcome import Outcome
+from worker.records import Origin, error_record, final_record, received_fields, timing_of
+from worker.request import FinishReason, InvalidInput
+from worker.serving.drain import DrainState
+from worker.serving.replies import Address, Replier, error_body, result_body
+from worker.serving.settlement import Settlement
+
+log = logging.getLogger(__name__)
+
+
+class Delivery:
+    """Serves the deliveries of one worker (shared by all of its in-flight requests)."""
+
+    def __init__(
+        self,
+        *,
+        engine: EngineFront,
+        builder: RequestBuilder,
+        ledger: LedgerStore,
+        replier: Replier,
+        settlement: Settlement,
+        drain: DrainState,
+        metrics: Metrics,
+        worker_id: str,
+        default_max_tokens: int,
+        max_message_bytes: int,
+        delivery_limit: int,
+    ) -> None:
+        self.engine = engine
+        self.builder = builder
+        self.ledger = ledger
+        self.replier = replier
+        self.settle = settlement
+        self.drain = drain
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.model_name = engine.info.model_name
+        self.default_max_tokens = default_max_tokens
+        self.max_message_bytes = max_message_bytes
+        self.delivery_limit = delivery_limit
+
+    async def handle(
+        self, message: AbstractIncomingMessage, admitted: Callable[[], None] = lambda: None
+    ) -> None:
+        """Serve one delivery; `admitted()` is called once the engine holds the request."""
+        received = time.time()
+        self.metrics.on_message("received")
+        if message.redelivered:
+            self.metrics.on_message("redelivered")
+        try:
+            req = self._decode(message, received)
+        except InvalidRequest as e:
+            rid = e.request_id or f"invalid-{uuid.uuid4().hex}"
+            to = Address(rid, e.reply_to, e.correlation_id or rid)
+            outcome = Outcome.error_of(e.code, e.message)
+            origin = Origin(self.worker_id, "queue", received_at=received)
+            await self.settle.reject(
+                message, to, error_record(rid, outcome, origin), error_body(rid, outcome)
+            )
+            return
+        to = Address(req.id, req.reply_to, req.correlation_id)
+        if not self.settle.claim(req.id):
+            await self.settle.park(req.id, message, to)
+            return
+        origin = Origin(
+            self.worker_id,
+            "queue",
+            model=self.model_name,
+            priority=req.priority,
+            enqueued_at=req.enqueued_at,
+            received_at=received,
+            metadata=req.metadata,
+        )
+        try:
+            await self._serve(message, req, to, origin, admitted)
+        except LedgerClosed:
+            await self.settle.requeue(message, req.id)
+        except Exception:
+            log.exception("request %s failed inside the worker", req.id)
+            await self._fail(message, req, to, origin)
+        finally:
+            self.drain.forget(req.id)
+            await self.settle.release(req.id)
+
+    def _decode(self, message: AbstractIncomingMessage, received: float) -> RequestMessage:
+        return decode_request(
+            message.body,
+            content_type=message.content_type,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
+            timestamp=message.timestamp,
+            expiration=_seconds(message.expiration),
+            headers=message.headers,
+            redelivered=bool(message.redelivered),
+            max_message_bytes=self.max_message_bytes,
+            received_at=received,
+        )
+
+    async def _serve(
+        self,
+        message: AbstractIncomingMessage,
+        req: RequestMessage,
+        to: Address,
+        origin: Origin,
+        admitted: Callable[[], None],
+    ) -> None:
+        if await self._ended_before_start(message, req, to, origin):
+            return
+        existing = await self.ledger.mark_received(req.id, **received_fields(origin, req.prompt))
+        if existing is not None:
+            await self.settle.replay(message, to, existing)
+            return
+        try:
+            built = await self._build(req)
+        except InvalidInput as e:
+            outcome = Outcome.invalid(e)
+            await self.settle.reject(
+                message, to, error_record(req.id, outcome, origin), error_body(req.id, outcome)
+            )
+            return
+        # Checked again: a cancel or a drain may have come while it was recorded and built.
+        if await self._ended_before_start(message, req, to, origin):
+            return
+        if not self.drain.accepting or self.engine.error is not None:
+            await self.settle.requeue(message, req.id)
+            return
+        stream = self.engine.add_request(
+            built.request_id,
+            built.prompt_token_ids,
+            built.params,
+            arrival_time=origin.received_at,
+            priority=built.priority,
+            deadline=built.deadline,
+        )
+        admitted()
+        final, logprobs = await self._stream(req, to, stream, built)
+        if final.finish_reason == FinishReason.ABORT and self.drain.is_given_back(req.id):
+            await self.settle.requeue(message, req.id)
+            return
+        self.metrics.on_finished(final)
+        record = final_record(req.id, final, origin, prompt_tokens=len(built.prompt_token_ids))
+        timing = timing_of(final, origin.enqueued_at, origin.received_at)
+        body = result_body(req.id, final, record, timing, self.worker_id, req.metadata, logprobs)
+        await self.settle.conclude(message, to, record, body)
+
+    async def _ended_before_start(
+        self, message: AbstractIncomingMessage, req: RequestMessage, to: Address, origin: Origin
+    ) -> bool:
+        """Cancelled by an operator or past its deadline: recorded, answered, acked."""
+        if self.drain.take_cancelled(req.id):
+            outcome = Outcome.cancelled()
+        elif req.deadline is not None and time.time() >= req.deadline:
+            outcome = Outcome.expired()
+        else:
+            return False
+        record = error_record(req.id, outcome, origin)
+        await self.settle.conclude(message, to, record, error_body(req.id, outcome))
+        return True
+
+    async def _build(self, req: RequestMessage) -> EngineRequest:
+        prompt = Prompt(req.prompt, req.messages, req.prompt_token_ids)
+        if prompt.needs_template:
+            # The first chat template render imports jinja (~1 s): off the event loop.
+            tokens = await asyncio.to_thread(self.builder.tokenize, prompt)
+        else:
+            tokens = self.builder.tokenize(prompt)
+        return self.builder.build(
+            req.id,
+            tokens,
+            req.sampling,
+            default_max_tokens=self.default_max_tokens,
+            priority=req.priority,
+            deadline=req.deadline,
+        )
+
+    async def _stream(
+        self, req: RequestMessage, to: Address, stream: RequestStream, built: EngineRequest
+    ) -> tuple[RequestOutput, list[TokenLogprobs] | None]:
+        """Relay deltas while the engine runs the request; returns its final output and,
+        when asked for, the logprobs of every generated token."""
+        wants_logprobs = built.params.logprobs is not None
+        logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
+        index = 0
+        final: RequestOutput | None = None
+        try:
+            async for out in stream:
+                if logprobs is not None and out.logprobs:
+                    logprobs.extend(out.logprobs)
+                has_delta = bool(out.delta_text or out.delta_token_ids)
+                if req.stream and to.wanted and has_delta and out.error is None:
+                    await self.replier.delta(to, index, out, wants_logprobs)
+                    index += 1
+                if out.finished:
+                    final = out
+        finally:
+            if final is None:  # a delta could not be sent: nobody reads the stream now
+                self.engine.abort(req.id)
+        assert final is not None
+        return final, logprobs
+
+    async def _fail(
+        self, message: AbstractIncomingMessage, req: RequestMessage, to: Address, origin: Origin
+    ) -> None:
+        """An internal error: retry elsewhere, unless this was the last delivery allowed."""
+        if (req.delivery_count or 0) + 1 < self.delivery_limit:
+            await self.settle.requeue(message, req.id)
+            return
+        outcome = Outcome.internal()
+        await self.settle.dead_letter(
+            message, to, error_record(req.id, outcome, origin), error_body(req.id, outcome)
+        )
+
+
+def _seconds(expiration: object) -> float | None:
+    """aio-pika gives the AMQP expiration as seconds (number or timedelta)."""
+    if expiration is None:
+        return None
+    if isinstance(expiration, timedelta):
+        return expiration.total_seconds()
+    if isinstance(expiration, (int, float)):
+        return float(expiration)
+    return None
