@@ -27,7 +27,7 @@ from worker.ledger.store import RequestRecord
 from worker.model.sampler import TokenLogprobs
 from worker.openai_format import parse_body, response_body
 from worker.outcome import Outcome
-from worker.records import Origin, error_record, final_record
+from worker.records import Origin, error_record, final_record, timing_of
 from worker.request import InvalidInput, TimingSummary, percentile
 
 
@@ -230,26 +230,17 @@ def _with_logprobs(out: RequestOutput, logprobs: list[TokenLogprobs]) -> Request
 
 
 def timing_fields(out: RequestOutput) -> dict[str, Any]:
-    """The per-request timing figures, as written beside each response."""
-    t = out.timing
+    """The per-request figures written beside each response: token counts and the
+    contract's timing (its *_s fields), plus the longest inter-token gap."""
     fields: dict[str, Any] = {
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": len(out.token_ids),
         "cached_tokens": out.num_cached_tokens,
     }
-    if t is not None:
-        fields.update(
-            queue_s=t.queue_s,
-            ttft_s=t.ttft_s,
-            prefill_s=t.prefill_s,
-            decode_s=t.decode_s,
-            e2e_s=t.e2e_s,
-            itl_mean_s=t.itl_mean_s,
-            itl_p50_s=t.itl_p50_s,
-            itl_p99_s=t.itl_p99_s,
-            itl_max_s=t.itl_max_s,
-            preemptions=t.preemptions,
-        )
+    if out.timing is not None:
+        timing = timing_of(out, None, None)
+        fields.update({k: v for k, v in timing.items() if k.endswith("_s")})
+        fields.update(itl_max_s=out.timing.itl_max_s, preemptions=out.timing.preemptions)
     return fields
 
 

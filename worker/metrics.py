@@ -7,7 +7,8 @@ belongs to the Metrics object (no process-global state), served by `serve()`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -181,26 +182,26 @@ class Metrics:
                 metric.inc(total - self._totals[key])
                 self._totals[key] = total
 
-    def on_finished(self, out: RequestOutput) -> None:
+    def on_finished(self, out: RequestOutput, timing: Mapping[str, Any]) -> None:
+        """A request the engine ran has ended; `timing` is its contract timing map
+        (queue delay, TTFT and end to end count from the producer's enqueue time)."""
         reason = str(out.finish_reason) if out.finish_reason is not None else "error"
         self._success.labels(**self.labels, finished_reason=reason).inc()
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.req_prompt_tokens.observe(out.num_prompt_tokens)
         self.req_generation_tokens.observe(len(out.token_ids))
-        t = out.timing
-        if t is None:
-            return
-        self.e2e.observe(t.e2e_s)
-        self.queue_time.observe(t.queue_s)
-        for value, hist in (
-            (t.ttft_s, self.ttft),
-            (t.prefill_s, self.prefill_time),
-            (t.decode_s, self.decode_time),
+        for name, hist in (
+            ("e2e_s", self.e2e),
+            ("queue_s", self.queue_time),
+            ("ttft_s", self.ttft),
+            ("prefill_s", self.prefill_time),
+            ("decode_s", self.decode_time),
         ):
-            if value is not None:
-                hist.observe(value)
-        for gap in t.gaps_s:
-            self.itl.observe(gap)
+            if timing.get(name) is not None:
+                hist.observe(timing[name])
+        if out.timing is not None:
+            for gap in out.timing.gaps_s:
+                self.itl.observe(gap)
 
     def on_message(self, event: str) -> None:
         self._messages[event].inc()

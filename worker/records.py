@@ -26,7 +26,11 @@ def utc(ts: float | None) -> datetime | None:
 
 @dataclass(frozen=True)
 class Origin:
-    """Who recorded a request, and what it knew of it before it ran."""
+    """Who recorded a request, and what it knew of it before it ran.
+
+    `enqueued_at` is the producer's clock: it only measures the queue delay, and is
+    clamped to be no later than `received_at` (the worker's clock).
+    """
 
     worker_id: str
     source: str  # "queue" | "batch"
@@ -35,6 +39,10 @@ class Origin:
     enqueued_at: float | None = None
     received_at: float | None = None
     metadata: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.enqueued_at is not None and self.received_at is not None:
+            object.__setattr__(self, "enqueued_at", min(self.enqueued_at, self.received_at))
 
 
 def received_fields(origin: Origin, prompt: str | None) -> dict[str, Any]:
@@ -54,23 +62,38 @@ def received_fields(origin: Origin, prompt: str | None) -> dict[str, Any]:
 def timing_of(
     out: RequestOutput, enqueued_at: float | None, received_at: float | None
 ) -> dict[str, Any]:
-    """The contract's timing map (unix seconds for *_at, seconds for *_s)."""
+    """The contract's timing map (unix seconds for *_at, seconds for *_s).
+
+    The engine measures from the request's arrival (the worker's receive time); queue
+    delay, TTFT and end to end count from the producer's enqueue time when it is known
+    (it is never later than the receive time: see `Origin`).
+    """
     t = out.timing
+    if t is None:
+        return {
+            **dict.fromkeys(TIMING_FIELDS),
+            "enqueued_at": enqueued_at,
+            "received_at": received_at,
+            "finished_at": time.time(),
+            "preemptions": 0,
+        }
+    waited = t.arrival_at - enqueued_at if enqueued_at is not None else 0.0
+    waited = max(0.0, waited)
     return {
         "enqueued_at": enqueued_at,
         "received_at": received_at,
-        "admitted_at": t.admitted_at if t else None,
-        "first_token_at": t.first_token_at if t else None,
-        "finished_at": t.finished_at if t and t.finished_at else time.time(),
-        "queue_s": t.queue_s if t else None,
-        "ttft_s": t.ttft_s if t else None,
-        "prefill_s": t.prefill_s if t else None,
-        "decode_s": t.decode_s if t else None,
-        "e2e_s": t.e2e_s if t else None,
-        "itl_mean_s": t.itl_mean_s if t else None,
-        "itl_p50_s": t.itl_p50_s if t else None,
-        "itl_p99_s": t.itl_p99_s if t else None,
-        "preemptions": t.preemptions if t else 0,
+        "admitted_at": t.admitted_at,
+        "first_token_at": t.first_token_at,
+        "finished_at": t.finished_at or time.time(),
+        "queue_s": t.queue_s + waited,
+        "ttft_s": t.ttft_s + waited if t.ttft_s is not None else None,
+        "prefill_s": t.prefill_s,
+        "decode_s": t.decode_s,
+        "e2e_s": t.e2e_s + waited,
+        "itl_mean_s": t.itl_mean_s,
+        "itl_p50_s": t.itl_p50_s,
+        "itl_p99_s": t.itl_p99_s,
+        "preemptions": t.preemptions,
     }
 
 

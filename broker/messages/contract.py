@@ -60,6 +60,7 @@ TIMING_FIELDS = (
     "preemptions",
 )
 
+
 class FieldKind(enum.StrEnum):
     """The wire-level kind of a sampling field."""
 

@@ -171,9 +171,9 @@ class Delivery:
         if final.finish_reason == FinishReason.ABORT and self.drain.is_given_back(req.id):
             await self.settle.requeue(message, req.id)
             return
-        self.metrics.on_finished(final)
         record = final_record(req.id, final, origin, prompt_tokens=len(built.prompt_token_ids))
         timing = timing_of(final, origin.enqueued_at, origin.received_at)
+        self.metrics.on_finished(final, timing)
         body = result_body(req.id, final, record, timing, self.worker_id, req.metadata, logprobs)
         await self.settle.conclude(message, to, record, body)
 
