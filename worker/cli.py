@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +43,7 @@ def engine_options(fn: F) -> F:
         click.option(
             "--kv-cache-size",
             default=None,
-            help="KV cache size in bytes, e.g. 2G (default 2G on CPU).",
+            help="KV cache size in bytes, e.g. 2G (default: see EngineConfig).",
         ),
         click.option("--prefix-caching/--no-prefix-caching", default=None),
         click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None),
@@ -206,10 +205,6 @@ def worker_cmd(log_level: str, **kw: Any) -> None:
     from worker.service import Service
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The event loop and the engine's step thread share the GIL: hand it over every
-    # 0.5 ms rather than Python's default 5 ms, so a reply or an ack never waits for a
-    # stretch of the step loop's Python work.
-    sys.setswitchinterval(float(os.environ.get("KVFLOW_SWITCH_INTERVAL_S", "0.0005")))
     engine_config = build_engine_config(kw)
     try:
         config = ServiceConfig.from_env(

@@ -16,6 +16,10 @@ from worker.limits import QUEUE_DEFAULT_MAX_TOKENS
 Policy = Literal["fcfs", "priority"]
 Scheduling = Literal["continuous", "static"]
 
+# The KV cache's size when neither num_kv_blocks nor kv_cache_bytes is given.
+DEFAULT_CPU_KV_BYTES = 2 << 30
+CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the model is loaded
+
 CPU_DTYPES = ("float32", "bfloat16")
 CUDA_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -25,7 +29,7 @@ class EngineConfig:
     """Everything that shapes the engine. Invalid combinations raise ValueError.
 
     KV capacity: give `num_kv_blocks` or `kv_cache_bytes`; with neither, the runner
-    takes a default (1 GiB on CPU, 90% of free memory on CUDA).
+    takes `DEFAULT_CPU_KV_BYTES` on CPU, `CUDA_MEMORY_FRACTION` of free memory on CUDA.
     """
 
     model: str | None = None  # HF directory or .gguf file; None = the bundled default

@@ -202,28 +202,39 @@ def test_small_cpu_steps_run_on_one_thread(tiny) -> None:
         torch.set_num_threads(before)
 
 
-def test_hold_hook_stops_progress_until_the_gate_opens(tiny, tmp_path, monkeypatch) -> None:
+def test_hold_hook_stops_a_marked_request_until_the_gate_opens(tiny, tmp_path, monkeypatch) -> None:
     gate = tmp_path / "gate"
     gate.touch()
     monkeypatch.setenv("KVFLOW_TEST_HOOKS", f'{{"hold_token": 7, "gate": "{gate}"}}')
     eng = make_engine(tiny)
-    eng.add_request(
-        "held", [5, 7, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    )
-    eng.add_request(
-        "free", [5, 8, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    )
-    first = eng.step()  # the prefill: both produce their first token
-    assert {o.request_id for o in first} == {"held", "free"}
-    for _ in range(20):  # closed gate: no progress, whatever the number of steps
-        assert eng.step() == []
-    assert eng.scheduler.requests["held"].num_output_tokens == 1
-    # an abort still applies while held
-    assert [o.request_id for o in eng.abort(["free"])] == ["free"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("held", [5, 7, 9], greedy)
+    eng.add_request("free", [5, 8, 9], greedy)
+    done: dict[str, list[int]] = {}
+    for _ in range(30):  # however many steps: the held request stays at its first token
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert set(done) == {"free"} and len(done["free"]) == 4
+    held = eng.scheduler.requests["held"]
+    assert held.num_output_tokens == 1 and held in eng.scheduler.running
     gate.unlink()
-    done = {}
     while eng.has_unfinished():
         for o in eng.step():
             if o.finished:
-                done[o.request_id] = o
-    assert len(done["held"].token_ids) == 4
+                done[o.request_id] = o.token_ids
+    alone = make_engine(tiny).generate([[5, 7, 9]], greedy)[0].token_ids
+    assert done["held"] == alone
+
+
+def test_hold_hook_lets_an_abort_through(tiny, tmp_path, monkeypatch) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setenv("KVFLOW_TEST_HOOKS", f'{{"hold_token": 7, "gate": "{gate}"}}')
+    eng = make_engine(tiny)
+    eng.add_request("held", [5, 7, 9], SamplingParams(temperature=0.0, max_tokens=4))
+    eng.step()
+    eng.step()
+    (out,) = eng.abort(["held"])
+    assert out.finished and out.finish_reason == FinishReason.ABORT
+    assert not eng.has_unfinished()

@@ -135,10 +135,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of every request that changed."""
-        if self.hooks is not None and self.hooks.holding(self.scheduler.running):
-            time.sleep(0.005)
-            self.last_stats = None
-            return []
+        if self.hooks is not None:
+            self.scheduler.held = self.hooks.held(self.scheduler.running)
         t0 = time.perf_counter()
         started = time.time()
         sched = self.scheduler.schedule()

@@ -5,9 +5,10 @@ let a test hold the engine at a known point, or make it fail like a real fault w
 from a worker it runs as a subprocess. `KVFLOW_TEST_HOOKS` is a JSON map:
 
 ``{"hold_token": T, "gate": PATH}``
-    While the file PATH exists, the engine makes no progress once a running request
-    whose prompt contains token id T has produced its first token: the request is
-    running and cannot finish until the test removes the file. Aborts still apply.
+    While the file PATH exists, a running request whose prompt contains token id T
+    makes no progress once it has produced its first token: it keeps its place in the
+    batch and cannot finish until the test removes the file. Other requests go on;
+    aborts still apply.
 ``{"crash_token": T}``
     Scheduling a request whose prompt contains token id T ends the process at once
     (exit code 70), as an out-of-memory kill of the engine process would. Meant for the
@@ -43,12 +44,14 @@ class TestHooks:
             raise ValueError(f"{ENV} must be a JSON map of hold_token, gate, crash_token")
         return cls(**spec)
 
-    def holding(self, running: Iterable[Request]) -> bool:
-        """True while the gate is closed and a marked request has started generating."""
+    def held(self, running: Iterable[Request]) -> frozenset[str]:
+        """Ids of the running requests to skip this step: marked ones that have started
+        generating, while the gate is closed."""
         if self.hold_token is None or self.gate is None or not os.path.exists(self.gate):
-            return False
-        return any(
-            r.num_output_tokens > 0 and self.hold_token in r.prompt_token_ids for r in running
+            return frozenset()
+        token = self.hold_token
+        return frozenset(
+            r.request_id for r in running if r.num_output_tokens > 0 and token in r.prompt_token_ids
         )
 
     def check_crash(self, scheduled: Iterable[Request]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.config import EngineConfig
+from worker.config import CUDA_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, EngineConfig
 from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.model.attention import (
@@ -27,8 +27,6 @@ from worker.model.attention import (
 from worker.model.loader import DTYPES, LoadedModel
 from worker.model.sampler import Sampler, SamplingRow
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
-CUDA_MEMORY_FRACTION = 0.9
 # Decode groups: sequences sorted by context length are padded together; a group is
 # split when padding would exceed this fraction of the useful work.
 MAX_DECODE_PADDING = 0.25

@@ -60,6 +60,8 @@ class Scheduler:
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.policy = make_policy(config.policy, config.aging_s)
         self.running: list[Request] = []
+        # Running requests that sit this step out (set by the engine's test hooks only).
+        self.held: frozenset[str] = frozenset()
         self.requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
@@ -118,7 +120,7 @@ class Scheduler:
 
         # 1. Running requests catch up first.
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or budget == 0:
+            if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in self.held:
                 continue
             n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
