@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -50,6 +51,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 LOOKAHEAD = 2
+HOLD = 49151  # the last id of the default model's vocabulary (and the tiny models')
 HEARTBEAT_S = 0.2  # KVFLOW_HEARTBEAT_S for the workers: fine-grained `workers` samples
 READY_TIMEOUT_S = 90.0
 
@@ -146,11 +148,14 @@ def worker_command(
     return cmd
 
 
-def spawn(cmd: list[str], worker_id: str, log_dir: Path, exchange: str) -> WorkerProc:
+def spawn(cmd: list[str], worker_id: str, log_dir: Path, exchange: str, gate: Path) -> WorkerProc:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
     env |= {
         "KVFLOW_EXCHANGE": exchange,
         "KVFLOW_HEARTBEAT_S": str(HEARTBEAT_S),
+        # A request whose prompt holds HOLD sits still after its first token while the
+        # gate file exists (worker/engine/faults.py): tests wait on events, not on speed.
+        "KVFLOW_TEST_HOOKS": json.dumps({"hold_token": HOLD, "gate": str(gate)}),
         "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
     if "KVFLOW_CACHE_DIR" in os.environ:  # the default model's conversion cache
@@ -174,6 +179,15 @@ class Harness:
         self.log_dir = log_dir
         self.db = open_engine(db_url)
         self.workers: list[WorkerProc] = []
+        self.gate = log_dir / "hold-gate"
+
+    def hold(self) -> None:
+        """From now on, requests whose prompt holds HOLD stop after their first token."""
+        self.gate.touch()
+
+    def release(self) -> None:
+        """Let held requests go on."""
+        self.gate.unlink(missing_ok=True)
 
     async def open(self) -> None:
         self.client = await RecordingClient.connect(self.amqp_url, topology=self.topo)
@@ -216,7 +230,7 @@ class Harness:
             num_kv_blocks=num_kv_blocks,
             extra=extra,
         )
-        w = spawn(cmd, wid, self.log_dir, self.topo.exchange)
+        w = spawn(cmd, wid, self.log_dir, self.topo.exchange, self.gate)
         self.workers.append(w)
         return w
 
@@ -275,11 +289,14 @@ class Harness:
 
     # the broker
 
-    async def submit_long(self, prefix: str, n: int, max_tokens: int) -> list[Handle]:
-        """n requests `<prefix>-<i>` of exactly `max_tokens` tokens each."""
+    async def submit_long(
+        self, prefix: str, n: int, max_tokens: int, held: bool = False
+    ) -> list[Handle]:
+        """n requests `<prefix>-<i>` of exactly `max_tokens` tokens each (`held`: marked
+        to sit still while the gate is closed)."""
         return [
             await self.client.submit(
-                prompt_token_ids=[5, 6, 7 + i],
+                prompt_token_ids=[HOLD] * held + [5, 6, 7 + i],
                 id=f"{prefix}-{i}",
                 max_tokens=max_tokens,
                 ignore_eos=True,
@@ -521,21 +538,28 @@ async def test_short_requests_join_the_running_batch(
     w = h.start("cb", model=None, max_num_seqs=max_seqs)
     await h.ready(w)
 
+    h.hold()  # the long requests stay in the batch until the short ones are done
     async with HeldSampler(h) as held, UnackedSampler(h) as broker:
         long = [
             await h.client.submit(
-                f"Tell a long story number {i}.", id=f"long-{i}", max_tokens=120, ignore_eos=True
+                prompt_token_ids=[HOLD, 5, 6, 7 + i],
+                id=f"long-{i}",
+                max_tokens=120,
+                ignore_eos=True,
+                stream=True,
             )
             for i in range(3)
         ]
 
-        async def long_running() -> bool:
-            row = (await h.worker_rows()).get(w.id)
-            return row is not None and (row["running"] or 0) >= len(long)
+        async def long_running() -> bool:  # each has its first token, and is held there
+            return all("delta" in h.client.kinds(x.id) for x in long)
 
         await eventually(long_running, "the long requests to run", timeout=30)
         short = [await h.client.submit(f"Hi {i}", id=f"short-{i}", max_tokens=4) for i in range(6)]
-        await results([*long, *short], timeout=120)
+        await results(short, timeout=120)
+        assert not any(x.done for x in long), "precondition: the long requests are still held"
+        h.release()
+        await results(long, timeout=120)
         rows = await h.settled([x.id for x in (*long, *short)])
 
     long_rows = [rows[x.id] for x in long]
@@ -624,7 +648,8 @@ async def test_killed_worker_requests_complete_exactly_once(
     b = h.start("kill-b", model=tiny_dir, max_num_seqs=4)
     await h.ready(a, b)
 
-    handles = await h.submit_long("kill", 16, max_tokens=230)
+    h.hold()  # nothing finishes before A is killed
+    handles = await h.submit_long("kill", 16, max_tokens=230, held=True)
 
     async def a_running() -> list[str]:
         rows = await h.rows()
@@ -635,6 +660,7 @@ async def test_killed_worker_requests_complete_exactly_once(
     in_flight = await eventually(a_running, "requests running on worker A", timeout=30, every=0.02)
     a.proc.send_signal(signal.SIGKILL)
     assert await a.wait(10) == -signal.SIGKILL
+    h.release()
 
     outcomes = await results(handles, timeout=90)
     rows = await h.settled([x.id for x in handles])
@@ -662,7 +688,8 @@ async def test_engine_process_death_requeues_and_the_worker_exits(
     h = harness
     a = h.start("crash-a", model=tiny_dir, max_num_seqs=4)
     await h.ready(a)
-    handles = await h.submit_long("crash", 8, max_tokens=230)
+    h.hold()  # nothing finishes before the engine is killed
+    handles = await h.submit_long("crash", 8, max_tokens=230, held=True)
 
     async def a_running() -> list[str]:
         rows = await h.rows()
@@ -676,6 +703,7 @@ async def test_engine_process_death_requeues_and_the_worker_exits(
     assert await a.wait(60) == 1, a.tail()
     assert "engine failed" in a.output()
 
+    h.release()
     b = h.start("crash-b", model=tiny_dir, max_num_seqs=4)
     await h.ready(b)
     outcomes = await results(handles, timeout=90)
@@ -772,8 +800,9 @@ async def test_outcome_recorded_first_by_another_delivery_is_the_reply(
     await h.ready(w)
 
     rid = "twice-" + uuid.uuid4().hex[:8]
+    h.hold()  # the worker's own run cannot end before the other outcome is recorded
     handle = await h.client.submit(
-        "Write a long story.", id=rid, max_tokens=400, ignore_eos=True, stream=True
+        prompt_token_ids=[HOLD, 1, 2, 3], id=rid, max_tokens=40, ignore_eos=True, stream=True
     )
 
     async def generating() -> bool:
@@ -794,6 +823,7 @@ async def test_outcome_recorded_first_by_another_delivery_is_the_reply(
     async with await LedgerStore.open(h.db_url, flush_interval_s=0) as store:
         assert await store.record(other) is not None
     assert not handle.done, "precondition: the worker's own run is still going"
+    h.release()
 
     result = await handle.result(90)
     assert result["text"] == other.output_text and result["token_ids"] == other.output_token_ids
@@ -939,8 +969,9 @@ async def test_request_whose_deadline_passes_while_held_is_not_run(
     w = h.start("held", model=tiny_dir, max_num_seqs=1)
     await h.ready(w)
 
+    h.hold()  # the slot stays busy until the second request has expired
     blocker = await h.client.submit(
-        prompt_token_ids=[9, 9, 9], id="held-long", max_tokens=240, ignore_eos=True
+        prompt_token_ids=[HOLD, 9, 9, 9], id="held-long", max_tokens=24, ignore_eos=True
     )
 
     async def long_running() -> bool:
@@ -948,8 +979,10 @@ async def test_request_whose_deadline_passes_while_held_is_not_run(
         return row is not None and (row["running"] or 0) == 1
 
     await eventually(long_running, "the long request to run", timeout=30, every=0.02)
-    deadline = time.time() + 0.5
+    deadline = time.time() + 2.0
     waiting = await h.client.submit("wait for me", id="held-short", max_tokens=4, deadline=deadline)
+    await h.settled(["held-short"])
+    h.release()
     await blocker.result(60)
     rows = await h.settled(["held-long", "held-short"])
     row = rows["held-short"]
@@ -977,12 +1010,10 @@ async def test_sigterm_drains_and_requeues_to_the_other_worker(
     a = h.start("drain-a", model=None, max_num_seqs=3, extra=["--drain-timeout", "1"])
     b = h.start("drain-b", model=None, max_num_seqs=3)
     await h.ready(a, b)
+    h.hold()  # what A runs cannot finish within its drain timeout
     handles = [
         await h.client.submit(
-            f"Write a poem about the sea, part {i}.",
-            id=f"drain-{i}",
-            max_tokens=96,
-            ignore_eos=True,
+            prompt_token_ids=[HOLD, 1, 2, 3 + i], id=f"drain-{i}", max_tokens=96, ignore_eos=True
         )
         for i in range(6)
     ]
@@ -999,6 +1030,7 @@ async def test_sigterm_drains_and_requeues_to_the_other_worker(
     started = time.monotonic()
     assert await a.wait(20) == 0, a.tail()
     assert time.monotonic() - started < 1 + 10, "drain took too long"
+    h.release()
 
     outcomes = await results(handles, timeout=120)
     rows = await h.settled([x.id for x in handles])
