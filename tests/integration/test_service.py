@@ -865,6 +865,8 @@ def _bad_inputs() -> dict[str, tuple[bytes, str]]:
         "top-p": (pack(prompt="hi", top_p=2.0), "invalid_request"),
         "oversized": (pack(prompt="x" * ((1 << 20) + 1000)), "invalid_request"),
         "nul-in-id": (pack(id="a\x00b", prompt="hi"), "invalid_request"),
+        "max-tokens-past-context": (pack(prompt="hi", max_tokens=10**9), "invalid_request"),
+        "priority-past-int32": (pack(prompt="hi", priority=2**31), "invalid_request"),
     }
 
 
@@ -914,6 +916,26 @@ async def test_bad_input_is_answered_recorded_and_dead_lettered(
     assert row["status"] == "completed" and row["prompt"] == "Still\ufffd there?"
     assert row["metadata"] == {"k": "a\ufffdb"}
     assert await h.ready_count() == 0
+
+
+@pytest.mark.timeout(90)
+async def test_logprobs_travel_in_deltas_and_the_result(harness: Harness, tiny_dir: Path) -> None:
+    h = harness
+    w = h.start("lp", model=tiny_dir, max_num_seqs=4)
+    await h.ready(w)
+    asked = await h.client.submit(
+        prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True, logprobs=2, stream=True
+    )
+    plain = await h.client.submit(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True)
+    result = await asked.result(60)
+    deltas = [r for r in h.client.replies[asked.id] if r["type"] == "delta"]
+    lps = result["logprobs"]
+    assert [e["token_id"] for e in lps] == result["token_ids"]
+    assert [e["token_id"] for d in deltas for e in d["logprobs"]] == result["token_ids"]
+    for e in lps:
+        assert e["logprob"] <= 0 and len(e["top"]) == 2
+        assert e["top"][0][1] >= e["top"][1][1]  # best first
+    assert "logprobs" not in await plain.result(60)
 
 
 # -- 7. deadlines --

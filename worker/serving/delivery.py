@@ -6,8 +6,8 @@
 1. decode the body under contract v1 (bad input: rejected, dead-lettered);
 2. a second delivery of an id already served here parks behind the first;
 3. cancelled by an operator, or past its deadline: ended without running;
-4. mark it received in the ledger; an id that already ended is answered from there;
-5. build the engine request (one builder for every input format: defaults, limits);
+4. build the engine request (one builder for every input format: defaults, limits);
+5. mark it received in the ledger; an id that already ended is answered from there;
 6. checked again just before it enters the engine: cancelled? still accepting work?
 7. stream deltas to the producer while the engine runs it;
 8. the final record and reply, settled.
@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -95,11 +96,10 @@ class Delivery:
         if not self.settle.claim(req.id):
             await self.settle.park(req.id, message, to)
             return
-        origin = Origin(
+        origin = Origin(  # the priority joins once the builder has checked it
             self.worker_id,
             "queue",
             model=self.model_name,
-            priority=req.priority,
             enqueued_at=req.enqueued_at,
             received_at=received,
             metadata=req.metadata,
@@ -140,10 +140,6 @@ class Delivery:
     ) -> None:
         if await self._ended_before_start(message, req, to, origin):
             return
-        existing = await self.ledger.mark_received(req.id, **received_fields(origin, req.prompt))
-        if existing is not None:
-            await self.settle.replay(message, to, existing)
-            return
         try:
             built = await self._build(req)
         except InvalidInput as e:
@@ -151,6 +147,11 @@ class Delivery:
             await self.settle.reject(
                 message, to, error_record(req.id, outcome, origin), error_body(req.id, outcome)
             )
+            return
+        origin = replace(origin, priority=built.priority)  # checked: the ledger can hold it
+        existing = await self.ledger.mark_received(req.id, **received_fields(origin, req.prompt))
+        if existing is not None:
+            await self.settle.replay(message, to, existing)
             return
         # Checked again: a cancel or a drain may have come while it was recorded and built.
         if await self._ended_before_start(message, req, to, origin):

@@ -1,0 +1,292 @@
+"""The delivery pieces in process: drain state, flow control, intake accounting, settlement.
+
+The broker, the ledger and the reply channel are stand-ins recording what they were
+asked to do (the integration tests run the same code against RabbitMQ and PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from broker.messages import decode_reply
+from worker.engine.engine import Capacity
+from worker.ledger.store import RequestRecord
+from worker.metrics import Metrics
+from worker.outcome import Outcome
+from worker.records import Origin, error_record
+from worker.serving.drain import DrainState
+from worker.serving.intake import FlowControl, Intake
+from worker.serving.replies import Address, Replier, error_body
+from worker.serving.settlement import Settlement
+
+# -- stand-ins -----------------------------------------------------------------------------
+
+
+@dataclass
+class FakeMessage:
+    """Records how it was settled."""
+
+    tag: int
+    events: list[tuple[str, int]]
+    redelivered: bool = False
+
+    async def ack(self) -> None:
+        self.events.append(("ack", self.tag))
+
+    async def nack(self, requeue: bool = True) -> None:
+        self.events.append(("requeue" if requeue else "nack", self.tag))
+
+    async def reject(self, requeue: bool = False) -> None:
+        self.events.append(("dead-letter", self.tag))
+
+
+@dataclass
+class FakePublisher:
+    events: list[tuple[str, Any]]
+
+    async def publish(self, reply_to: str, correlation_id: str | None, body: bytes) -> bool:
+        self.events.append(("reply", (reply_to, correlation_id, decode_reply(body))))
+        return True
+
+
+@dataclass
+class FakeLedger:
+    """Commits on request; a terminal record returns the row the ledger keeps (the first
+    terminal record of an id wins)."""
+
+    events: list[tuple[str, Any]]
+    rows: dict[str, RequestRecord] = field(default_factory=dict)
+
+    def record(self, rec: RequestRecord) -> asyncio.Future[RequestRecord | None]:
+        self.events.append(("commit", rec.id))
+        kept = self.rows.setdefault(rec.id, rec)
+        fut: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
+        fut.set_result(kept)
+        return fut
+
+
+def settlement(events: list[Any], ledger: FakeLedger | None = None) -> Settlement:
+    ledger = ledger or FakeLedger(events)
+    return Settlement(
+        ledger,  # type: ignore[arg-type]
+        Replier(FakePublisher(events)),  # type: ignore[arg-type]
+        Metrics("w", "m"),
+    )
+
+
+def failed_record(rid: str, worker: str = "w") -> RequestRecord:
+    return error_record(rid, Outcome.internal("boom"), Origin(worker, "queue"))
+
+
+def body_of(rid: str) -> bytes:
+    return error_body(rid, Outcome.internal("boom"))
+
+
+# -- drain state ---------------------------------------------------------------------------
+
+
+async def test_drain_state_pause_resume_give_back_and_cancel() -> None:
+    d = DrainState(keep_cancelled=2)
+    assert d.paused and d.accepting  # paused until the worker starts serving
+    d.resume()
+    assert not d.paused
+    d.give_back(["a", "b"])
+    assert not d.accepting and d.is_given_back("a") and not d.is_given_back("c")
+    d.forget("a")
+    assert not d.is_given_back("a")
+    d.resume()
+    assert d.accepting
+    for rid in ("x", "y", "z"):
+        d.cancel_on_arrival(rid)
+    assert not d.take_cancelled("x"), "the oldest remembered cancel is forgotten first"
+    assert d.take_cancelled("y") and not d.take_cancelled("y")  # once
+    assert d.take_cancelled("z")
+
+
+# -- flow control and the intake ------------------------------------------------------------
+
+
+def cap(running: int = 0, waiting: int = 0, free_blocks: int = 100, waiting_tokens: int = 0):
+    return Capacity(
+        free_blocks=free_blocks,
+        total_blocks=100,
+        block_size=16,
+        running=running,
+        waiting=waiting,
+        free_seqs=max(0, 8 - running - waiting),
+        waiting_tokens=waiting_tokens,
+        kv_usage=0.0,
+    )
+
+
+def test_flow_control_counts_held_messages_and_kv_room() -> None:
+    flow = FlowControl(max_held=6, reserve_blocks=4)
+    assert flow.can_pull(cap(), held=0, admitting=0)
+    assert not flow.can_pull(cap(running=4, waiting=2), held=0, admitting=0)
+    assert not flow.can_pull(cap(running=4), held=0, admitting=2)
+    # finished requests still being settled hold their messages
+    assert not flow.can_pull(cap(), held=6, admitting=0)
+    # KV room for the waiting prompts plus the reserve
+    assert not flow.can_pull(cap(free_blocks=5, waiting_tokens=17), held=1, admitting=0)
+    assert flow.can_pull(cap(free_blocks=5, waiting_tokens=16), held=1, admitting=0)
+
+
+class FakeQueue:
+    def __init__(self, messages: list[FakeMessage]) -> None:
+        self.messages = messages
+        self.gets = 0
+
+    async def get(self, **_: Any) -> FakeMessage | None:
+        self.gets += 1
+        return self.messages.pop(0) if self.messages else None
+
+
+class FakeEngine:
+    def capacity(self) -> Capacity:
+        return cap()
+
+
+async def test_intake_never_holds_more_than_its_limit_and_counts_until_settled() -> None:
+    events: list[Any] = []
+    messages = [FakeMessage(i, events) for i in range(10)]
+    queue = FakeQueue(list(messages))
+    release = asyncio.Event()
+    most_held = 0
+
+    async def deliver(message: Any, admitted: Any) -> None:
+        nonlocal most_held
+        most_held = max(most_held, intake.held)
+        await release.wait()  # settled only when the test says so
+        await message.ack()
+
+    drain = DrainState()
+    drain.resume()
+    intake = Intake(
+        queue,  # type: ignore[arg-type]
+        FakeEngine(),  # type: ignore[arg-type]
+        FlowControl(max_held=3, reserve_blocks=0),
+        drain,
+        settlement(events),
+        Metrics("w", "m"),
+        deliver,
+        poll_max_s=0.01,
+        burst=True,
+    )
+    run = asyncio.create_task(intake.run())
+    while intake.held < 3:
+        await asyncio.sleep(0)
+    for _ in range(20):  # it does not pull a fourth while three are unsettled
+        await asyncio.sleep(0)
+    assert intake.held == 3 and len(queue.messages) == 7
+    release.set()
+    await asyncio.wait_for(run, 10)  # burst: ends once the queue is empty and all settled
+    assert intake.pulled == 10 and intake.held == 0 and most_held <= 3
+    assert sorted(tag for what, tag in events if what == "ack") == list(range(10))
+
+
+async def test_intake_gives_back_a_message_pulled_as_a_drain_began() -> None:
+    events: list[Any] = []
+    drain = DrainState()
+    drain.resume()
+    delivered: list[Any] = []
+
+    class PausingQueue(FakeQueue):
+        async def get(self, **kw: Any) -> FakeMessage | None:
+            drain.pause()  # the drain comes while this pull is in flight
+            return await super().get(**kw)
+
+    async def deliver(message: Any, admitted: Any) -> None:
+        delivered.append(message)
+
+    intake = Intake(
+        PausingQueue([FakeMessage(1, events)]),  # type: ignore[arg-type]
+        FakeEngine(),  # type: ignore[arg-type]
+        FlowControl(max_held=3, reserve_blocks=0),
+        drain,
+        settlement(events),
+        Metrics("w", "m"),
+        deliver,
+        poll_max_s=0.01,
+    )
+    run = asyncio.create_task(intake.run())
+    while not events:
+        await asyncio.sleep(0)
+    intake.stop()
+    await asyncio.wait_for(run, 10)
+    assert events == [("requeue", 1)] and not delivered
+
+
+# -- settlement ----------------------------------------------------------------------------
+
+
+async def test_conclude_commits_then_replies_then_acks() -> None:
+    events: list[Any] = []
+    s = settlement(events)
+    assert s.claim("r1")
+    to = Address("r1", "replies", "c1")
+    await s.conclude(FakeMessage(1, events), to, failed_record("r1"), body_of("r1"))  # type: ignore[arg-type]
+    assert [e[0] for e in events] == ["commit", "reply", "ack"]
+
+
+async def test_parked_copies_are_answered_at_their_own_address_and_acked() -> None:
+    events: list[Any] = []
+    s = settlement(events)
+    assert s.claim("r1") and not s.claim("r1")
+    first = Address("r1", "replies-a", "c1")
+    copies = [
+        asyncio.create_task(s.park("r1", FakeMessage(2, events), Address("r1", "replies-b", "c2"))),  # type: ignore[arg-type]
+        asyncio.create_task(s.park("r1", FakeMessage(3, events), Address("r1", "replies-a", "c1"))),  # type: ignore[arg-type]
+        asyncio.create_task(s.park("r1", FakeMessage(4, events), Address("r1", None, None))),  # type: ignore[arg-type]
+    ]
+    await asyncio.sleep(0)
+    await s.conclude(FakeMessage(1, events), first, failed_record("r1"), body_of("r1"))  # type: ignore[arg-type]
+    await s.release("r1")
+    await asyncio.wait_for(asyncio.gather(*copies), 5)
+    replies = [to for what, to in events if what == "reply"]
+    assert sorted((r[0], r[1]) for r in replies) == [("replies-a", "c1"), ("replies-b", "c2")]
+    assert all(r[2]["error"]["code"] == "internal" for r in replies)
+    assert sorted(tag for what, tag in events if what == "ack") == [1, 2, 3, 4]
+    assert s.claim("r1"), "the id is free again once released"
+
+
+async def test_copies_not_settled_with_the_first_go_back_to_the_queue() -> None:
+    events: list[Any] = []
+    s = settlement(events)
+    assert s.claim("r1")
+    copy = asyncio.create_task(s.park("r1", FakeMessage(2, events), Address("r1", "q", "c")))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    await s.requeue(FakeMessage(1, events), "r1")  # type: ignore[arg-type]
+    await s.release("r1")
+    await asyncio.wait_for(copy, 5)
+    assert sorted(events) == [("requeue", 1), ("requeue", 2)]
+
+
+async def test_the_reply_is_the_outcome_the_ledger_kept() -> None:
+    events: list[Any] = []
+    ledger = FakeLedger(events)
+    ledger.rows["r1"] = RequestRecord(
+        "r1", "completed", output_text="kept", output_token_ids=[7], worker_id="other"
+    )
+    s = settlement(events, ledger)
+    # a bad body under an id that already completed: dead-lettered, answered with the outcome
+    await s.reject(
+        FakeMessage(1, events), Address("r1", "q", "c"), failed_record("r1"), body_of("r1")
+    )  # type: ignore[arg-type]
+    (reply,) = [to for what, to in events if what == "reply"]
+    assert reply[2]["type"] == "result" and reply[2]["text"] == "kept"
+    assert ("dead-letter", 1) in events
+
+
+@pytest.mark.parametrize("status", ["completed", "failed"])
+async def test_replay_answers_from_the_row_and_acks(status: str) -> None:
+    events: list[Any] = []
+    s = settlement(events)
+    row = RequestRecord("r1", status, output_text="t" if status == "completed" else None)
+    await s.replay(FakeMessage(1, events), Address("r1", "q", "c"), row)  # type: ignore[arg-type]
+    (reply,) = [to for what, to in events if what == "reply"]
+    assert reply[2]["type"] == ("result" if status == "completed" else "error")
+    assert events[-1] == ("ack", 1)
