@@ -95,6 +95,7 @@ class RequestBuilder:
             params = SamplingParams(**fields)
         except TypeError as e:  # an unknown field name: a bug in the caller's parser
             raise InvalidInput(f"unknown sampling field: {e}") from None
+        self.limits.check_params(params)
         return EngineRequest(
             request_id,
             prompt_token_ids,

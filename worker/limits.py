@@ -42,7 +42,17 @@ class RequestLimits:
         """Raise InvalidInput (PromptTooLong) with a user-facing message if the request
         cannot be served."""
         self.check_prompt(prompt_token_ids)
+        self.check_params(params)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """InvalidInput for what the engine cannot hold: output above the operator's cap,
+        stop token ids outside the vocabulary."""
         self._check_cap(params.max_tokens)
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidInput(
+                f"stop_token_ids entry {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         """InvalidInput for an empty prompt or one outside the vocabulary; PromptTooLong

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64  # checked against every sampled token
 
 
 class InvalidInput(ValueError):
@@ -130,6 +131,11 @@ class SamplingParams:
                 bad(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_LEN:
                 bad(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters long")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, "
+                f"got {len(self.stop_token_ids)}"
+            )
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t)
             if t < 0:

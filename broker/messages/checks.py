@@ -6,7 +6,9 @@ import math
 from typing import Any
 
 from broker.messages.contract import (
+    MAX_MESSAGES,
     MAX_METADATA_BYTES,
+    MAX_METADATA_DEPTH,
     PROMPT_FIELDS,
     REQUEST_FIELDS,
     SAMPLING_FIELDS,
@@ -80,6 +82,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
         raise ValueError(
             f"messages must be a non-empty list of {{role, content}} maps, got {describe(value)}"
         )
+    if len(value) > MAX_MESSAGES:
+        raise ValueError(f"messages has {len(value)} entries, over the limit of {MAX_MESSAGES}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
@@ -110,16 +114,19 @@ def _metadata(value: Any) -> dict[str, Any]:
     return value
 
 
-def _json_compatible(value: Any, path: str) -> None:
-    """Metadata is stored as JSON: string keys, no binary, no ext types, finite floats."""
+def _json_compatible(value: Any, path: str, depth: int = 0) -> None:
+    """Metadata is stored as JSON: string keys, no binary, no ext types, finite floats,
+    nested at most MAX_METADATA_DEPTH deep."""
+    if isinstance(value, (dict, list)) and depth >= MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep")
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ValueError(f"{path} keys must be strings, got {describe(k)}")
-            _json_compatible(v, f"{path}.{k}")
+            _json_compatible(v, f"{path}.{k}", depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _json_compatible(v, f"{path}[{i}]")
+            _json_compatible(v, f"{path}[{i}]", depth + 1)
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{path} must be a finite number, got {value!r}")

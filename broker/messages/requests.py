@@ -47,9 +47,63 @@ def decode_request(
     `timestamp` is the AMQP timestamp (a datetime as aio-pika gives it, or unix
     seconds). `expiration` is in seconds as aio-pika decodes it; a string is the raw
     AMQP property, in milliseconds. `received_at` (default: now) stands in for the
-    enqueue time when an expiration comes without one. Raises `InvalidRequest`.
+    enqueue time when an expiration comes without one. Raises `InvalidRequest`, and
+    nothing else, whatever the body holds.
     """
-    reply_to = reply_to or None
+    reply_to = _shortstr(reply_to)
+    correlation_id = _shortstr(correlation_id)
+    try:
+        return _decode(
+            body,
+            content_type=content_type,
+            message_id=message_id,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            timestamp=timestamp,
+            expiration=expiration,
+            headers=headers,
+            redelivered=redelivered,
+            max_message_bytes=max_message_bytes,
+            received_at=received_at,
+        )
+    except InvalidRequest:
+        raise
+    except Exception as e:  # a checker's own failure must cost only this message
+        raise InvalidRequest(
+            INVALID_REQUEST,
+            f"the message could not be decoded: {type(e).__name__}",
+            None,
+            reply_to,
+            correlation_id,
+        ) from None
+
+
+def _shortstr(value: str | None) -> str | None:
+    """An AMQP short string property usable in a reply: valid UTF-8 of at most 255 bytes
+    (a malformed one, decoded leniently, is dropped)."""
+    if not value:
+        return None
+    try:
+        ok = len(value.encode("utf-8")) <= 255
+    except UnicodeEncodeError:
+        return None
+    return value if ok else None
+
+
+def _decode(
+    body: bytes,
+    *,
+    content_type: str | None,
+    message_id: str | None,
+    correlation_id: str | None,
+    reply_to: str | None,
+    timestamp: dt.datetime | float | None,
+    expiration: float | str | None,
+    headers: Mapping[str, Any] | None,
+    redelivered: bool,
+    max_message_bytes: int,
+    received_at: float | None,
+) -> RequestMessage:
     given_id = message_id or correlation_id or None
     # An error is recorded under this id; without a usable one, under one of the worker's.
     fallback_id = given_id if given_id is not None and _usable_id(given_id) else None
