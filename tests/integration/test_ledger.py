@@ -21,6 +21,13 @@ from sqlalchemy import event, func, select
 from sqlalchemy.engine import Connection, Engine, make_url
 
 from worker.cli import main
+from worker.ledger import (
+    LedgerClosed,
+    LedgerStore,
+    LedgerWriteError,
+    RequestRecord,
+    WorkerRecord,
+)
 from worker.ledger.migrate import (
     VERSION_TABLE,
     SchemaError,
@@ -32,13 +39,6 @@ from worker.ledger.migrate import (
     redact,
     upgrade,
     upgrade_async,
-)
-from worker.ledger.store import (
-    LedgerClosed,
-    LedgerStore,
-    LedgerWriteError,
-    RequestRecord,
-    WorkerRecord,
 )
 from worker.ledger.tables import metadata, requests, workers
 
@@ -258,6 +258,34 @@ async def test_a_refused_record_fails_alone(
         assert store.errors == 1
     assert await _count(ledger_url, prefix) == 9
     assert "writing them one by one" in caplog.text
+
+
+# An integer no column takes: past PostgreSQL's int4 and SQLite's int64 alike.
+TOO_BIG = 2**63
+
+
+async def test_a_refused_row_fails_alone_among_records_and_among_marks(
+    ledger_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One row the database refuses (an integer out of range) in a batch: only that
+    record or that delivery mark fails, with LedgerWriteError; its neighbours are written."""
+    prefix = _uid()
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0.2) as store:
+        records = [store.record(RequestRecord(f"{prefix}-r{i}", "queued")) for i in range(4)]
+        bad_record = store.record(RequestRecord(f"{prefix}-r-bad", "queued", priority=TOO_BIG))
+        marks = [store.mark_received(f"{prefix}-m{i}", worker_id="w") for i in range(4)]
+        bad_mark = store.mark_received(f"{prefix}-m-bad", worker_id="w", priority=TOO_BIG)
+        got = await asyncio.wait_for(
+            asyncio.gather(*records, bad_record, *marks, bad_mark, return_exceptions=True), 30
+        )
+        assert got[:4] == [None] * 4 and got[5:9] == [None] * 4, got
+        for error, rid in ((got[4], f"{prefix}-r-bad"), (got[9], f"{prefix}-m-bad")):
+            assert isinstance(error, LedgerWriteError) and rid in str(error), got
+        assert store.errors == 2
+        row = await store.get(f"{prefix}-m0")
+        assert row is not None and (row["status"], row["attempts"]) == ("running", 1)
+    assert await _count(ledger_url, prefix) == 8
+    assert caplog.text.count("writing them one by one") == 2  # each batch was shared
 
 
 async def test_record_resolves_to_the_committed_final_row(ledger_url: str) -> None:
