@@ -5,14 +5,16 @@
 - `records`: `RequestRecord`, `WorkerRecord` and the merge rule of two states of a request.
 - `statements`: the upserts that apply that rule in SQL.
 - `retry`: retrying writes through an outage; a refused batch falls back row by row.
-- `store`: `LedgerStore`, the async batched writer; `threaded`: the same for sync code.
+- `writer`: the batched records; `marks`: the batched delivery marks.
+- `store`: `LedgerStore`, the one way to write the ledger; `threaded`: it, for sync code.
 - `migrate`: database URLs, engines and migrations; `commands`: `kvflow db`.
 """
 
 from worker.ledger.records import RequestRecord, WorkerRecord, merge, storable
 from worker.ledger.retry import LedgerWriteError
 from worker.ledger.states import LedgerStatus, RequestSource, WorkerState
-from worker.ledger.store import LedgerClosed, LedgerStore
+from worker.ledger.store import LedgerStore
+from worker.ledger.writer import LedgerClosed
 
 __all__ = [
     "LedgerClosed",

@@ -1,31 +1,23 @@
-"""The ledger writer: every state of every request, batched into PostgreSQL (or SQLite).
+"""The ledger store: the one way kvflow writes the `requests` and `workers` tables.
 
-`record()` queues a `RequestRecord` and returns at once; one background task writes
-up to `batch_size` queued records per transaction (an `INSERT ... ON CONFLICT (id) DO
-UPDATE` executemany) and then resolves their futures: for a terminal record, with the
-row as the ledger holds it after the commit. That row is the request's one outcome: it
-may be another delivery's, when two workers ran the same request (a redelivery after a
-lost connection) and the other committed first; replies are sent from it.
-`mark_received()` notes a delivery; the marks of concurrent deliveries are written
-together, many per statement, by a second task.
-
-Both tasks write through one `Retrier` (worker/ledger/retry.py): when the database is
-slow the batches grow; when it is down the batch waits and is retried with capped
-exponential backoff (logged once per outage), so a record is delayed, never lost, until
-`close()` gives up on it; when the database refuses a row, only that row fails. The
-rules every write follows, and why retrying is safe, are in worker/ledger/records.py.
+`record()` queues a state of a request and `mark_received()` notes a delivery; both are
+batched (worker/ledger/writer.py, worker/ledger/marks.py) and written through one
+`Retrier` (worker/ledger/retry.py): through an outage a write is delayed, never lost,
+until `close()` gives up on it, and a row the database refuses fails alone. A terminal
+record resolves to the row as committed: the request's one outcome, which may be another
+delivery's when two workers ran the same request and the other committed first; replies
+are sent from it. The rules every write follows, and why retrying is safe, are in
+worker/ledger/records.py. The other operations are one statement, one attempt each:
+read a row, a worker's heartbeat, and the operators' two writes (cancel a request no
+worker has started, reopen a dead letter's row for a replay).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -35,18 +27,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker.redact import redact_url
 from worker.ledger import statements
+from worker.ledger.marks import DeliveryMarks
 from worker.ledger.migrate import check_schema_async, is_transient, open_engine, unreachable
-from worker.ledger.records import (
-    MERGED,
-    RequestRecord,
-    WorkerRecord,
-    aware,
-    merge,
-    storable,
-)
+from worker.ledger.records import RequestRecord, WorkerRecord, aware, merge, storable
 from worker.ledger.retry import LedgerWriteError, Retrier
 from worker.ledger.states import LedgerStatus
 from worker.ledger.tables import requests as requests_table
+from worker.ledger.writer import Latency, LedgerClosed, RecordWriter
 
 # Importable from here until every caller uses the package (`worker.ledger`).
 __all__ = [
@@ -65,35 +52,6 @@ T = TypeVar("T")
 
 # A dead letter whose row has one of these may be replayed (its row reopened as queued).
 REPLAYABLE = (LedgerStatus.REJECTED, LedgerStatus.FAILED)
-
-
-class LedgerClosed(RuntimeError):
-    """The store was closed (or gave up) before this record was written."""
-
-
-@dataclass
-class Latency:
-    """A running total the metrics module reads: `count` events taking `total_s`."""
-
-    count: int = 0
-    total_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.count += 1
-        self.total_s += seconds
-
-
-@dataclass
-class _Pending:
-    record: RequestRecord
-    future: asyncio.Future[RequestRecord | None] = field(repr=False)
-
-
-@dataclass
-class _Mark:
-    record: RequestRecord
-    fields: frozenset[str]
-    future: asyncio.Future[RequestRecord | None] = field(repr=False)
 
 
 class LedgerStore:
@@ -116,28 +74,14 @@ class LedgerStore:
     ) -> None:
         """Internal: use `LedgerStore.open`, which checks the schema first."""
         self._engine = engine
-        # Autocommit for the marks: their upsert is one atomic statement, and BEGIN and
-        # COMMIT would be two more round trips per batch (a batch is often one delivery).
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._url = url
         self._dialect = engine.dialect.name
-        self._upsert = statements.upsert_requests(self._dialect)
-        self._mark_stmt = statements.mark_requests(self._dialect)
-        self._batch_size = batch_size
-        self._flush_interval_s = flush_interval_s
-        self._retry = Retrier(url, retry_max_s=retry_max_s, held=lambda: len(self._queue))
-        self._queue: deque[_Pending] = deque()
-        self._queued_terminal: dict[str, _Pending] = {}
-        self._marks: list[_Mark] = []
-        self._mark_task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._full = asyncio.Event()
-        self._closing = False
+        self._retry = Retrier(url, retry_max_s=retry_max_s, held=lambda: self.pending)
+        self._writer = RecordWriter(
+            engine, self._retry, batch_size=batch_size, flush_interval_s=flush_interval_s
+        )
+        self._marks = DeliveryMarks(engine, self._retry, batch_size=batch_size)
         self._closed = False
-        self.write_latency = Latency()
-        self.records_written = 0
-        self._task = asyncio.create_task(self._write_loop(), name="ledger-writer")
-        self._task.add_done_callback(self._writer_done)
 
     @classmethod
     async def open(
@@ -183,7 +127,16 @@ class LedgerStore:
     @property
     def pending(self) -> int:
         """Records queued but not yet committed."""
-        return len(self._queue)
+        return self._writer.pending
+
+    @property
+    def write_latency(self) -> Latency:
+        """Committed batch transactions and their total seconds."""
+        return self._writer.write_latency
+
+    @property
+    def records_written(self) -> int:
+        return self._writer.records_written
 
     @property
     def errors(self) -> int:
@@ -197,17 +150,7 @@ class LedgerStore:
         database refuses it, LedgerClosed if the store closes first). Its result: for a
         terminal `rec`, the final row as committed (the first terminal record of this id
         wins, whoever wrote it); None for the others."""
-        if self._closing:
-            raise LedgerClosed("the ledger store is closed")
-        future: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
-        pending = _Pending(rec, future)
-        self._queue.append(pending)
-        if rec.terminal:
-            self._queued_terminal.setdefault(rec.id, pending)
-        self._wake.set()
-        if len(self._queue) >= self._batch_size:
-            self._full.set()
-        return future
+        return self._writer.put(rec)
 
     async def mark_received(self, id: str, **fields: Any) -> RequestRecord | None:
         """Note a delivery of request `id` before running it: status 'running', attempts
@@ -218,22 +161,14 @@ class LedgerStore:
         if the database refuses this mark (its neighbours in the batch are written)."""
         if fields.keys() & {"status", "attempts"}:
             raise TypeError("mark_received sets status and attempts itself")
-        if self._closing:
-            raise LedgerClosed("the ledger store is closed")
-        queued = self._queued_terminal.get(id)
-        if queued is not None:
+        verdict = self._writer.queued_verdict(id)
+        if verdict is not None:
             # This request's final record is still being written: wait for it, so the
             # answer comes from the committed row (another delivery's outcome may win,
             # and a record the database refuses never becomes an answer).
-            self._full.set()  # write it now rather than at the end of the flush interval
             with contextlib.suppress(Exception):
-                await asyncio.shield(queued.future)
-        given = RequestRecord(id=id, status=LedgerStatus.RUNNING, **fields)
-        future: asyncio.Future[RequestRecord | None] = asyncio.get_running_loop().create_future()
-        self._marks.append(_Mark(given, frozenset(fields), future))
-        if self._mark_task is None or self._mark_task.done():
-            self._mark_task = asyncio.create_task(self._mark_loop(), name="ledger-marks")
-        return await future
+                await asyncio.shield(verdict)
+        return await self._marks.mark(id, fields)
 
     # -- one-statement operations (one attempt each) ----------------------------------------
 
@@ -316,18 +251,8 @@ class LedgerStore:
         as do delivery marks not yet written)."""
         if self._closed:
             return 0
-        self._closing = True
-        self._wake.set()
-        self._full.set()
-        tasks = [t for t in (self._task, self._mark_task) if t is not None and not t.done()]
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=timeout_s)
-            for task in late:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        left = self._fail_pending()
         self._closed = True
+        left, _ = await asyncio.gather(self._writer.close(timeout_s), self._marks.close(timeout_s))
         await self._engine.dispose()
         if left:
             log.error(
@@ -336,139 +261,3 @@ class LedgerStore:
                 redact_url(self._url),
             )
         return left
-
-    # -- the two batch loops ---------------------------------------------------------------
-
-    async def _write_loop(self) -> None:
-        while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if len(self._queue) < self._batch_size and not self._closing:
-                self._full.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), self._flush_interval_s)
-            batch = list(itertools.islice(self._queue, self._batch_size))
-            rows: dict[str, RequestRecord] = {}  # one per id: merged in memory
-            for item in batch:
-                old = rows.get(item.record.id)
-                rows[item.record.id] = item.record if old is None else merge(old, item.record)
-            stored, refused = await self._retry.batch(
-                list(rows.values()), self._write_records, key=lambda r: r.id
-            )
-            for item in batch:
-                self._queue.popleft()
-                if self._queued_terminal.get(item.record.id) is item:
-                    del self._queued_terminal[item.record.id]
-                if item.future.done():  # the caller cancelled it
-                    continue
-                if item.record.id in refused:
-                    item.future.set_exception(refused[item.record.id])
-                else:
-                    item.future.set_result(
-                        stored.get(item.record.id) if item.record.terminal else None
-                    )
-
-    async def _write_records(self, recs: Sequence[RequestRecord]) -> dict[str, RequestRecord]:
-        """Upsert `recs` in one transaction; returns the committed rows of the terminal ones."""
-        start = time.perf_counter()
-        now = datetime.now(UTC)
-        final_ids = {r.id for r in recs if r.terminal}
-        async with self._engine.begin() as conn:
-            res = await conn.execute(self._upsert, [r.row(now) for r in recs])
-            stored = {
-                row["id"]: RequestRecord.from_row(row)
-                for row in res.mappings()
-                if row["id"] in final_ids
-            }
-        self.write_latency.observe(time.perf_counter() - start)
-        self.records_written += len(recs)
-        return stored
-
-    async def _mark_loop(self) -> None:
-        """Write the pending marks, many per statement: deliveries arrive in bursts, and
-        one transaction per delivery would cap the worker's intake."""
-        await asyncio.sleep(0)  # let the calls made in this loop iteration join
-        while self._marks:
-            # One round takes the first pending delivery of each id (a second delivery of
-            # the same id, rare, goes in the next round so attempts counts both).
-            batch: list[_Mark] = []
-            rest: list[_Mark] = []
-            ids: set[str] = set()
-            for m in self._marks:
-                if m.future.done():
-                    continue  # the caller gave up
-                if m.record.id in ids or len(batch) >= self._batch_size:
-                    rest.append(m)
-                else:
-                    ids.add(m.record.id)
-                    batch.append(m)
-            # Marks made while this batch is written join the next round.
-            self._marks = rest
-            if not batch:
-                break
-            try:
-                found, refused = await self._retry.batch(
-                    batch, self._write_marks, key=lambda m: m.record.id
-                )
-            except asyncio.CancelledError:  # close() gave up on the database
-                self._marks = batch + self._marks
-                raise
-            for m in batch:
-                if m.future.done():
-                    continue
-                if m.record.id in refused:
-                    m.future.set_exception(refused[m.record.id])
-                else:
-                    m.future.set_result(found.get(m.record.id))
-
-    async def _write_marks(self, marks: Sequence[_Mark]) -> dict[str, RequestRecord]:
-        """Upsert the marks in one round trip; returns the rows that were already final."""
-        live = [m for m in marks if not m.future.done()]  # callers may give up meanwhile
-        if not live:
-            return {}
-        now = datetime.now(UTC)
-        rows = []
-        for m in live:
-            full = m.record.row(now)
-            given = {k: (full[k] if k in m.fields else None) for k in MERGED}
-            rows.append({**given, "id": m.record.id, "status": LedgerStatus.RUNNING.value})
-            rows[-1].update(attempts=1, created_at=now, updated_at=now)
-        async with self._autocommit.connect() as conn:
-            # executemany with RETURNING: one compiled statement, batched by the driver.
-            result = await conn.execute(self._mark_stmt, rows)
-            went_ahead = {r[0] for r in result}
-            final_ids = [m.record.id for m in live if m.record.id not in went_ahead]
-            if not final_ids:
-                return {}
-            t = requests_table.c
-            res = await conn.execute(select(requests_table).where(t.id.in_(final_ids)))
-            return {row["id"]: RequestRecord.from_row(row) for row in res.mappings()}
-
-    def _fail_pending(self) -> int:
-        """Fail every queued record and unwritten mark with LedgerClosed; returns how many
-        records there were."""
-        left = len(self._queue)
-        for item in self._queue:
-            if not item.future.done():
-                item.future.set_exception(
-                    LedgerClosed(f"ledger closed before request {item.record.id} was written")
-                )
-        for m in self._marks:
-            if not m.future.done():
-                m.future.set_exception(
-                    LedgerClosed(f"ledger closed before the delivery of {m.record.id} was noted")
-                )
-        self._queue.clear()
-        self._queued_terminal.clear()
-        self._marks.clear()
-        return left
-
-    def _writer_done(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("ledger: writer stopped", exc_info=task.exception())
-            self._closing = True
-            self._fail_pending()
