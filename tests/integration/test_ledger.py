@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from sqlalchemy import event, func, select
 from sqlalchemy.engine import Connection, Engine, make_url
 
+from tests.integration.helpers import eventually
 from worker.cli import main
 from worker.ledger import (
     LedgerClosed,
@@ -450,9 +451,13 @@ async def test_records_survive_the_database_going_away(
     await proxy.down()
     futures = [store.record(RequestRecord(f"{prefix}-{i}", "completed")) for i in range(300)]
     received = asyncio.create_task(store.mark_received(f"{prefix}-received"))
-    await asyncio.sleep(1.0)
+
+    async def retried() -> bool:
+        return store.errors >= 2
+
+    await eventually(retried, "the store to retry twice", timeout=20)
     assert not any(f.done() for f in futures) and not received.done()
-    assert store.pending == 300 and store.errors >= 2
+    assert store.pending == 300
 
     await proxy.up()
     await asyncio.wait_for(asyncio.gather(*futures), 20)
@@ -474,9 +479,12 @@ async def test_a_stalled_database_delays_but_loses_nothing(
     )
     proxy.pause()
     futures = [store.record(RequestRecord(f"{prefix}-{i}", "queued")) for i in range(100)]
-    await asyncio.sleep(1.5)
+
+    async def timed_out() -> bool:  # the statement timed out and is being retried
+        return store.errors >= 1
+
+    await eventually(timed_out, "a write to time out", timeout=20)
     assert not any(f.done() for f in futures)
-    assert store.errors >= 1  # the statement timed out and is being retried
     proxy.resume()
     await asyncio.wait_for(asyncio.gather(*futures), 20)
     assert await store.close() == 0

@@ -6,6 +6,4 @@ from worker.admin.drain import drain, resume
 from worker.admin.fleet import status, workers
 from worker.admin.scale import scale, up
 
-COMMANDS = (workers, status, drain, resume, cancel, scale, up)
-
-__all__ = ["COMMANDS", "cancel", "drain", "resume", "scale", "status", "up", "workers"]
+__all__ = ["cancel", "drain", "resume", "scale", "status", "up", "workers"]
