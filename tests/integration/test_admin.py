@@ -5,310 +5,37 @@ worker processes running the tiny random-weight model.
 Each test has its own `test.<hex>` queues (KVFLOW_EXCHANGE and KVFLOW_QUEUE point at
 them) and its own migrated ledger schema. The control exchange is shared by every
 worker on the broker, so the tests address workers by id (or by queue, as `--all`
-does), never all of them at once.
+does), never all of them at once. Where a test needs work to be in progress (a drain,
+a cancel, a scale-up under load), a gate holds the engine (tests/integration/fleet.py):
+nothing depends on how fast this machine runs a request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import csv
-import dataclasses
 import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aio_pika
 import msgpack
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
-from sqlalchemy import func, select
 
-from broker.client import Client, Handle, RequestFailed
-from broker.messages import CONTENT_TYPE, decode_reply
-from broker.topology import Topology
+from broker.client import Handle, RequestFailed
+from broker.topology import Topology, declare
+from tests.integration.fleet import READY_TIMEOUT_S, Env, first_delta
 from tests.integration.helpers import eventually, stored
-from worker.ledger.migrate import open_engine, upgrade_async
+from worker.admin.queues import queue_counts
+from worker.ledger.migrate import upgrade_async
 from worker.ledger.tables import requests as requests_table
-from worker.ledger.tables import workers as workers_table
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-HEARTBEAT_S = 0.2
-READY_TIMEOUT_S = 90.0
-CLI_TIMEOUT_S = 120.0
-
-
-# -- processes --
-
-
-@dataclasses.dataclass
-class Proc:
-    """A `kvflow worker` or `kvflow up` subprocess; output goes to `log_path`."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes]
-
-    def output(self) -> str:
-        self.log_file.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.output().splitlines()[-n:])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    async def wait(self, timeout: float) -> int:
-        try:
-            return await asyncio.to_thread(self.proc.wait, timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} still running after {timeout} s:\n{self.tail()}")
-
-    async def stop(self) -> None:
-        """SIGTERM to its process group (a supervisor's workers too), SIGKILL after 30 s."""
-        try:
-            if self.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    await asyncio.to_thread(self.proc.wait, 30)
-            with contextlib.suppress(ProcessLookupError):  # stragglers of the group
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(self.proc.wait, 15)
-        finally:
-            self.log_file.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class Cli:
-    """The outcome of one `kvflow ...` run."""
-
-    args: tuple[str, ...]
-    code: int
-    out: str
-    err: str
-
-    @property
-    def json(self) -> Any:
-        try:
-            return json.loads(self.out)
-        except ValueError:
-            pytest.fail(f"kvflow {' '.join(self.args)}: not JSON:\n{self.out}\n{self.err}")
-
-    def ok(self) -> Cli:
-        assert self.code == 0, (
-            f"kvflow {' '.join(self.args)} -> {self.code}\n{self.out}\n{self.err}"
-        )
-        assert "Traceback" not in self.err, self.err
-        return self
-
-
-class Env:
-    """One test's world: topology, ledger schema, a client, processes, the CLI."""
-
-    def __init__(
-        self, amqp_url: str, topo: Topology, db_url: str, log_dir: Path, model: Path
-    ) -> None:
-        self.amqp_url = amqp_url
-        self.topo = topo
-        self.db_url = db_url
-        self.log_dir = log_dir
-        self.model = model
-        self.db = open_engine(db_url)
-        self.procs: list[Proc] = []
-        self.replies: dict[str, list[dict[str, Any]]] = defaultdict(list)
-
-    async def open(self) -> None:
-        self.client = await Client.connect(self.amqp_url, topology=self.topo)
-        self.connection = await aio_pika.connect(self.amqp_url, timeout=10)
-        self.channel = await self.connection.channel()
-        self.exchange = await self.channel.get_exchange(self.topo.exchange, ensure=False)
-        # raw publishes get their replies here
-        self.reply_queue = await self.channel.declare_queue("", exclusive=True, auto_delete=True)
-        await self.reply_queue.consume(self._on_reply, no_ack=True)
-
-    async def _on_reply(self, message: AbstractIncomingMessage) -> None:
-        reply = decode_reply(message.body)
-        self.replies[str(reply.get("id") or message.correlation_id)].append(reply)
-
-    async def close(self) -> None:
-        try:
-            await asyncio.gather(*(p.stop() for p in self.procs))
-        finally:
-            with contextlib.suppress(Exception):
-                await self.client.close()
-            with contextlib.suppress(Exception):
-                await self.connection.close()
-            await self.db.dispose()
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
-        env |= {
-            "KVFLOW_EXCHANGE": self.topo.exchange,
-            "KVFLOW_QUEUE": self.topo.queue,
-            "KVFLOW_AMQP_URL": self.amqp_url,
-            "KVFLOW_DATABASE_URL": self.db_url,
-            "KVFLOW_HEARTBEAT_S": str(HEARTBEAT_S),
-            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
-                os.pathsep
-            ),
-            **extra,
-        }
-        return env
-
-    def worker_args(
-        self, max_num_seqs: int, extra: Sequence[str] = (), num_kv_blocks: int = 256
-    ) -> list[str]:
-        return [
-            "--model",
-            str(self.model),
-            "--num-kv-blocks",
-            str(num_kv_blocks),
-            "--max-num-seqs",
-            str(max_num_seqs),
-            "--threads",
-            "1",
-            *extra,
-        ]
-
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
-        log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "wb")  # noqa: SIM115 - closed by Proc.stop
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *argv],
-            cwd=REPO,
-            env=self.env(),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so stop() reaches its children
-        )
-        p = Proc(name, proc, log_path, log_file)
-        self.procs.append(p)
-        return p
-
-    def worker(
-        self,
-        name: str,
-        max_num_seqs: int = 2,
-        extra: Sequence[str] = (),
-        num_kv_blocks: int = 256,
-    ) -> Proc:
-        wid = f"{name}-{uuid.uuid4().hex[:6]}"
-        argv = ["worker", "--worker-id", wid]
-        argv += self.worker_args(max_num_seqs, extra, num_kv_blocks)
-        return self._spawn(wid, argv)
-
-    def up(self, workers: int, max_num_seqs: int = 2) -> Proc:
-        argv = ["up", "--workers", str(workers), "--", *self.worker_args(max_num_seqs)]
-        return self._spawn(f"up-{uuid.uuid4().hex[:6]}", argv)
-
-    async def ready(self, *procs: Proc) -> None:
-        async def beating() -> bool:
-            for p in procs:
-                if not p.alive():
-                    pytest.fail(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
-            rows = await self.worker_rows()
-            return all(p.name in rows for p in procs)
-
-        await eventually(beating, "the workers' first heartbeats", timeout=READY_TIMEOUT_S)
-
-    async def kvflow(
-        self, *args: str, timeout: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None
-    ) -> Cli:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "worker.cli",
-            *args,
-            cwd=REPO,
-            env=self.env(**(env or {})),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            pytest.fail(f"kvflow {' '.join(args)} did not finish within {timeout} s")
-        assert proc.returncode is not None
-        return Cli(tuple(args), proc.returncode, out.decode(), err.decode())
-
-    # the ledger
-
-    async def rows(self, ids: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
-        stmt = select(requests_table)
-        if ids is not None:
-            stmt = stmt.where(requests_table.c.id.in_(list(ids)))
-        async with self.db.connect() as conn:
-            result = (await conn.execute(stmt)).mappings().all()
-        return {r["id"]: dict(r) for r in result}
-
-    async def count_rows(self) -> int:
-        async with self.db.connect() as conn:
-            return int(await conn.scalar(select(func.count()).select_from(requests_table)) or 0)
-
-    async def worker_rows(self) -> dict[str, dict[str, Any]]:
-        async with self.db.connect() as conn:
-            result = (await conn.execute(select(workers_table))).mappings().all()
-        return {r["id"]: dict(r) for r in result}
-
-    async def running_on(self, wid: str) -> list[str]:
-        t = requests_table.c
-        stmt = select(t.id).where(t.status == "running", t.worker_id == wid)
-        async with self.db.connect() as conn:
-            return list((await conn.execute(stmt)).scalars().all())
-
-    async def settled(self, ids: Sequence[str], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
-        async def done() -> dict[str, dict[str, Any]] | None:
-            rows = await self.rows(ids)
-            ok = len(rows) == len(ids) and all(
-                r["status"] not in ("queued", "running") for r in rows.values()
-            )
-            return rows if ok else None
-
-        rows: dict[str, dict[str, Any]] = await eventually(
-            done, f"{len(ids)} terminal ledger rows", timeout=timeout
-        )
-        return rows
-
-    # the broker
-
-    async def ready_count(self) -> int:
-        declared = await self.channel.declare_queue(self.topo.queue, passive=True)
-        return int(declared.declaration_result.message_count or 0)
-
-    async def dead_count(self) -> int:
-        declared = await self.channel.declare_queue(self.topo.dead_letter_queue, passive=True)
-        return int(declared.declaration_result.message_count or 0)
-
-    async def publish_raw(self, body: bytes, rid: str) -> None:
-        message = aio_pika.Message(
-            body,
-            content_type=CONTENT_TYPE,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=rid,
-            correlation_id=rid,
-            reply_to=self.reply_queue.name,
-        )
-        await self.exchange.publish(message, routing_key=self.topo.queue, mandatory=True)
-
-    async def submit_long(self, rid: str, max_tokens: int, **kw: Any) -> Handle:
-        return await self.client.submit(
-            prompt_token_ids=[1, 2, 3], id=rid, max_tokens=max_tokens, ignore_eos=True, **kw
-        )
 
 
 @pytest.fixture
@@ -340,30 +67,44 @@ def by_worker(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # -- drain and resume --
 
 
+async def is_draining(env: Env, wid: str) -> bool:
+    return (await env.worker_rows())[wid]["state"] == "draining"
+
+
 @pytest.mark.timeout(150)
 async def test_drain_finishes_running_work_then_resume_serves_the_rest(env: Env) -> None:
-    w = env.worker("drain", max_num_seqs=2)
+    gate = env.gate()
+    w = env.worker("drain", max_num_seqs=2, gate=gate)
     await env.ready(w)
     n = 12
-    handles = [await env.submit_long(f"d-{i}", 200) for i in range(n)]
-    await eventually(lambda: env.running_on(w.name), "requests running on the worker")
+    held = await env.submit_long("d-held", 50, held=True, stream=True)
+    await first_delta(held)  # running, and the engine stops there until the gate opens
+    handles = [held] + [await env.submit_long(f"d-{i}", 50) for i in range(n - 1)]
 
-    doc = (await env.kvflow("drain", w.name, "--timeout", "30", "--json")).ok().json
+    async def took_more() -> bool:
+        return len(await env.running_on(w.name)) >= 2
+
+    await eventually(took_more, "the worker to take more than the held request")
+    drain = asyncio.create_task(env.kvflow("drain", w.name, "--timeout", "120", "--json"))
+    await eventually(lambda: is_draining(env, w.name), "the worker to report draining")
+    taken = set(await env.running_on(w.name))  # at least: a mark may still be in flight
+    gate.open()  # what it holds can finish now: the drain waits for it
+    doc = (await drain).ok().json
     assert [r["worker"] for r in doc["drained"]] == [w.name], doc
     drained = doc["drained"][0]["info"]
     assert drained["state"] == "drained" and drained["requeued"] == 0, drained
     assert drained["running"] == 0 and drained["held"] == 0, drained
 
-    # it finished what it had and pulls nothing new
-    finished = {rid for rid, r in (await env.rows()).items() if r["status"] == "completed"}
-    assert finished, "the worker finished nothing it held"
+    # it finished what it had taken, and pulls nothing new
+    rows = await env.rows()
+    finished = {rid for rid, r in rows.items() if r["status"] == "completed"}
+    assert taken <= finished, (finished, taken)
+    assert not [rid for rid, r in rows.items() if r["status"] == "running"], rows
     ready = await env.ready_count()
     assert ready == n - len(finished), (ready, finished)
-    await asyncio.sleep(2.0)
+    await env.heartbeats(w.name, 5)  # its loop (intake included) kept running
     assert await env.ready_count() == ready, "a drained worker pulled new messages"
-    rows = await env.rows()
-    assert {rid for rid, r in rows.items() if r["status"] == "completed"} == finished
-    assert not [rid for rid, r in rows.items() if r["status"] == "running"], rows
+    assert set(await env.rows()) == set(rows), "a drained worker took a request"
     assert await env.dead_count() == 0
 
     async def shown_drained() -> bool:
@@ -379,7 +120,7 @@ async def test_drain_finishes_running_work_then_resume_serves_the_rest(env: Env)
     assert await env.count_rows() == n
     for h, result in zip(handles, outcomes, strict=True):
         row = rows[h.id]
-        assert row["status"] == "completed" and row["completion_tokens"] == 200, row
+        assert row["status"] == "completed" and row["completion_tokens"] == 50, row
         assert row["attempts"] == 1, f"{h.id} ran twice: {row}"
         assert stored(result["text"]) == row["output_text"]
     assert await env.dead_count() == 0
@@ -388,37 +129,42 @@ async def test_drain_finishes_running_work_then_resume_serves_the_rest(env: Env)
 
 @pytest.mark.timeout(150)
 async def test_drain_past_its_timeout_requeues_and_resume_completes(env: Env) -> None:
-    w = env.worker("requeue", max_num_seqs=8)
+    gate = env.gate()
+    w = env.worker("requeue", max_num_seqs=8, gate=gate)
     await env.ready(w)
-    n = 24  # three full batches: about 2 s each here
-    handles = [await env.submit_long(f"r-{i}", 240) for i in range(n)]
+    n = 24
+    held = await env.submit_long("r-held", 60, held=True, stream=True)
+    await first_delta(held)  # from here on the engine makes no progress: nothing finishes
+    handles = [held] + [await env.submit_long(f"r-{i}", 60) for i in range(n - 1)]
 
-    async def batch_running() -> bool:
+    async def batch_taken() -> bool:
         return len(await env.running_on(w.name)) >= 8
 
-    await eventually(batch_running, "a full batch running", every=0.02)
+    await eventually(batch_taken, "a full batch taken by the worker")
     drain = ("drain", "--all", "--window", "1", "--timeout", "0.5", "--json")
     doc = (await env.kvflow(*drain)).ok().json
     assert doc["targets"] == [w.name], doc  # --all: the workers of this queue only
     info = doc["drained"][0]["info"]
-    assert info["state"] == "drained" and info["requeued"] >= 2, info
+    assert info["state"] == "drained" and info["requeued"] >= 8, info
     assert info["running"] == 0 and info["held"] == 0, info
 
     async def requeued() -> bool:
-        return await env.ready_count() == n - await _completed(env)
+        return await env.ready_count() == n
 
-    await eventually(requeued, "the unfinished requests back in the queue", timeout=20)
+    await eventually(requeued, "every request back in the queue", timeout=20)
+    assert await _completed(env) == 0
     assert await env.dead_count() == 0, "a drained request was dead-lettered"
 
+    gate.open()
     resumed = (await env.kvflow("resume", "--all", "--json")).ok().json
     assert [r["worker"] for r in resumed["acks"]] == [w.name], resumed
     outcomes = await results(handles, timeout=120)
     rows = await env.settled([h.id for h in handles])
     again = [rid for rid, r in rows.items() if r["attempts"] >= 2]
-    assert len(again) >= 2, f"nothing was requeued: {rows}"
+    assert len(again) >= 8 and "r-held" in again, f"not requeued: {rows}"
     for h, result in zip(handles, outcomes, strict=True):
         row = rows[h.id]
-        assert row["status"] == "completed" and row["completion_tokens"] == 240, row
+        assert row["status"] == "completed" and row["completion_tokens"] == 60, row
         assert stored(result["text"]) == row["output_text"]
     assert await env.dead_count() == 0
     assert await env.ready_count() == 0
@@ -433,7 +179,8 @@ async def _completed(env: Env) -> int:
 
 @pytest.mark.timeout(240)
 async def test_scale_up_and_down_under_load(env: Env) -> None:
-    sup = env.up(workers=1)
+    gate = env.gate()
+    sup = env.up(workers=1, gate=gate)
 
     async def live_workers() -> dict[str, dict[str, Any]]:
         doc = (await env.kvflow("workers", "--json")).ok().json
@@ -445,8 +192,12 @@ async def test_scale_up_and_down_under_load(env: Env) -> None:
         return len(await env.worker_rows()) == 1
 
     await eventually(one_live, "the supervisor's first worker", timeout=READY_TIMEOUT_S)
+    # The first worker holds a marked request (the gate): what it took stays with it, so
+    # the rest of the load can only be served by the workers the scale-up adds.
     n = 48
-    handles = [await env.submit_long(f"s-{i}", 160) for i in range(n)]
+    held = await env.submit_long("s-held", 40, held=True, stream=True)
+    await first_delta(held)
+    handles = [held] + [await env.submit_long(f"s-{i}", 40) for i in range(n - 1)]
 
     up3 = (await env.kvflow("scale", "3", "--json")).ok().json
     assert len(up3["done"]) == 1, up3
@@ -456,13 +207,13 @@ async def test_scale_up_and_down_under_load(env: Env) -> None:
     live = await live_workers()
     assert len(live) == 3 and set(done["started"]) <= set(live), live
     assert all(w["status"] == "serving" and w["queue"] == env.topo.queue for w in live.values())
-    assert await env.ready_count() > 0, "precondition: the load outlasts the scale-up"
 
     async def newcomers_serve() -> bool:
         rows = await env.rows()
         return set(done["started"]) <= {r["worker_id"] for r in rows.values()}
 
     await eventually(newcomers_serve, "the new workers to take requests", timeout=60)
+    gate.open()
 
     down = (await env.kvflow("scale", "1", "--json")).ok().json
     info = down["done"][0]["info"]
@@ -478,7 +229,7 @@ async def test_scale_up_and_down_under_load(env: Env) -> None:
     assert await env.count_rows() == n
     for h, result in zip(handles, outcomes, strict=True):
         row = rows[h.id]
-        assert row["status"] == "completed" and row["completion_tokens"] == 160, row
+        assert row["status"] == "completed" and row["completion_tokens"] == 40, row
         assert stored(result["text"]) == row["output_text"]
     assert len({r["worker_id"] for r in rows.values()}) == 3, "not every worker served"
     assert await env.dead_count() == 0
@@ -510,7 +261,8 @@ async def test_cancel_a_queued_and_a_running_request(env: Env) -> None:
     queued = await env.submit_long("c-queued", 50)
     doc = (await env.kvflow("cancel", "c-queued", "--json")).ok().json
     assert doc["outcome"] == "cancelled" and doc["ledger_written"], doc
-    w = env.worker("cancel", max_num_seqs=32, num_kv_blocks=640)
+    gate = env.gate()
+    w = env.worker("cancel", max_num_seqs=4, gate=gate)
     await env.ready(w)
     with pytest.raises(RequestFailed) as info:
         await queued.result(30)
@@ -519,14 +271,10 @@ async def test_cancel_a_queued_and_a_running_request(env: Env) -> None:
     assert row["status"] == "cancelled" and row["error_code"] == "cancelled", row
     assert row["first_token_at"] is None and row["output_text"] is None, "it ran"
 
-    # running: a long request in a full batch (about 6 s here)
-    others = [await env.submit_long(f"c-other-{i}", 240) for i in range(31)]
-    running = await env.submit_long("c-running", 240)
-
-    async def is_running() -> bool:
-        return "c-running" in await env.running_on(w.name)
-
-    await eventually(is_running, "the request to run", every=0.02)
+    # running: held by the gate after its first token, so it is surely mid-way
+    running = await env.submit_long("c-running", 240, held=True, stream=True)
+    await first_delta(running)
+    others = [await env.submit_long("c-other-0", 8)]
     doc = (await env.kvflow("cancel", "c-running", "--json")).ok().json
     assert doc["outcome"] == "cancelled" and doc["running_on"] == w.name, doc
     assert not doc["ledger_written"], doc
@@ -536,6 +284,7 @@ async def test_cancel_a_queued_and_a_running_request(env: Env) -> None:
     row = (await env.rows(["c-running"]))["c-running"]
     assert row["status"] == "cancelled", row
     assert 0 < row["completion_tokens"] < 240, f"not aborted mid-way: {row}"
+    gate.open()
 
     # a finished request cannot be cancelled
     await results(others, timeout=60)
@@ -633,6 +382,28 @@ async def test_dlq_list_replay_and_purge(env: Env) -> None:
 
 
 # -- status and the ledger commands --
+
+
+async def test_queue_counts_ready_and_unacked(
+    amqp_url: str, amqp_connection: Any, rabbit_topology: Topology
+) -> None:
+    declared = await declare(await amqp_connection.channel(), rabbit_topology)
+    for body in (b"a", b"b"):
+        await declared.exchange.publish(aio_pika.Message(body), routing_key=rabbit_topology.queue)
+    held = await eventually(lambda: declared.queue.get(fail=False), "a message")
+    # Ready is exact at once; unacked comes from the quorum queue's ~5 s metrics tick.
+    assert (await queue_counts(amqp_url, rabbit_topology.queue))[0] == 1
+
+    async def settled() -> bool:
+        return await queue_counts(amqp_url, rabbit_topology.queue) == (1, 1)
+
+    await eventually(settled, "1 ready and 1 unacked", timeout=30, every=1.0)
+    await held.ack()
+    with pytest.raises(LookupError, match="not found"):
+        await queue_counts(amqp_url, f"{rabbit_topology.queue}.missing")
+    # No management API there: a clear error, not a hang or a traceback.
+    with pytest.raises(RuntimeError, match=r"no management API at http://127\.0\.0\.1:1 "):
+        await queue_counts(amqp_url, rabbit_topology.queue, management_url="http://127.0.0.1:1")
 
 
 @pytest.mark.timeout(150)

@@ -29,7 +29,7 @@ from broker.messages import (
     encode_result,
 )
 from broker.publisher import ReplyPublisher
-from broker.topology import Topology, TopologyMismatch, declare, queue_counts
+from broker.topology import Topology, TopologyMismatch, declare
 from tests.integration.helpers import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -184,23 +184,6 @@ async def test_message_past_the_delivery_limit_is_dead_lettered(amqp_connection,
     assert dead.body == b"crashy" and counts == [0, 1]
     assert dead.headers["x-first-death-reason"] == "delivery_limit"
     assert await declared.queue.get(fail=False) is None
-
-
-async def test_queue_counts_ready_and_unacked(amqp_url, amqp_connection, rabbit_topology):
-    declared = await declare(await amqp_connection.channel(), rabbit_topology)
-    for body in (b"a", b"b"):
-        await declared.exchange.publish(aio_pika.Message(body), routing_key=rabbit_topology.queue)
-    held = await _poll(lambda: declared.queue.get(fail=False))
-    # Ready is exact at once; unacked comes from the quorum queue's ~5 s metrics tick.
-    assert (await queue_counts(amqp_url, rabbit_topology.queue))[0] == 1
-
-    async def settled() -> bool:
-        return await queue_counts(amqp_url, rabbit_topology.queue) == (1, 1)
-
-    await _poll(settled, timeout=30, every=1.0)
-    await held.ack()
-    with pytest.raises(LookupError, match="not found"):
-        await queue_counts(amqp_url, f"{rabbit_topology.queue}.missing")
 
 
 # -- reply publisher -----------------------------------------------------------------------

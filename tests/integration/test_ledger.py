@@ -20,7 +20,15 @@ from click.testing import CliRunner
 from sqlalchemy import event, func, select
 from sqlalchemy.engine import Connection, Engine, make_url
 
+from tests.integration.helpers import eventually
 from worker.cli import main
+from worker.ledger import (
+    LedgerClosed,
+    LedgerStore,
+    LedgerWriteError,
+    RequestRecord,
+    WorkerRecord,
+)
 from worker.ledger.migrate import (
     VERSION_TABLE,
     SchemaError,
@@ -32,13 +40,6 @@ from worker.ledger.migrate import (
     redact,
     upgrade,
     upgrade_async,
-)
-from worker.ledger.store import (
-    LedgerClosed,
-    LedgerStore,
-    LedgerWriteError,
-    RequestRecord,
-    WorkerRecord,
 )
 from worker.ledger.tables import metadata, requests, workers
 
@@ -260,6 +261,34 @@ async def test_a_refused_record_fails_alone(
     assert "writing them one by one" in caplog.text
 
 
+# An integer no column takes: past PostgreSQL's int4 and SQLite's int64 alike.
+TOO_BIG = 2**63
+
+
+async def test_a_refused_row_fails_alone_among_records_and_among_marks(
+    ledger_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One row the database refuses (an integer out of range) in a batch: only that
+    record or that delivery mark fails, with LedgerWriteError; its neighbours are written."""
+    prefix = _uid()
+    async with await LedgerStore.open(ledger_url, flush_interval_s=0.2) as store:
+        records = [store.record(RequestRecord(f"{prefix}-r{i}", "queued")) for i in range(4)]
+        bad_record = store.record(RequestRecord(f"{prefix}-r-bad", "queued", priority=TOO_BIG))
+        marks = [store.mark_received(f"{prefix}-m{i}", worker_id="w") for i in range(4)]
+        bad_mark = store.mark_received(f"{prefix}-m-bad", worker_id="w", priority=TOO_BIG)
+        got = await asyncio.wait_for(
+            asyncio.gather(*records, bad_record, *marks, bad_mark, return_exceptions=True), 30
+        )
+        assert got[:4] == [None] * 4 and got[5:9] == [None] * 4, got
+        for error, rid in ((got[4], f"{prefix}-r-bad"), (got[9], f"{prefix}-m-bad")):
+            assert isinstance(error, LedgerWriteError) and rid in str(error), got
+        assert store.errors == 2
+        row = await store.get(f"{prefix}-m0")
+        assert row is not None and (row["status"], row["attempts"]) == ("running", 1)
+    assert await _count(ledger_url, prefix) == 8
+    assert caplog.text.count("writing them one by one") == 2  # each batch was shared
+
+
 async def test_record_resolves_to_the_committed_final_row(ledger_url: str) -> None:
     """The first terminal record of an id is the outcome; a later one from another
     delivery resolves to it (so that worker replies with what the ledger keeps)."""
@@ -422,9 +451,13 @@ async def test_records_survive_the_database_going_away(
     await proxy.down()
     futures = [store.record(RequestRecord(f"{prefix}-{i}", "completed")) for i in range(300)]
     received = asyncio.create_task(store.mark_received(f"{prefix}-received"))
-    await asyncio.sleep(1.0)
+
+    async def retried() -> bool:
+        return store.errors >= 2
+
+    await eventually(retried, "the store to retry twice", timeout=20)
     assert not any(f.done() for f in futures) and not received.done()
-    assert store.pending == 300 and store.errors >= 2
+    assert store.pending == 300
 
     await proxy.up()
     await asyncio.wait_for(asyncio.gather(*futures), 20)
@@ -446,9 +479,12 @@ async def test_a_stalled_database_delays_but_loses_nothing(
     )
     proxy.pause()
     futures = [store.record(RequestRecord(f"{prefix}-{i}", "queued")) for i in range(100)]
-    await asyncio.sleep(1.5)
+
+    async def timed_out() -> bool:  # the statement timed out and is being retried
+        return store.errors >= 1
+
+    await eventually(timed_out, "a write to time out", timeout=20)
     assert not any(f.done() for f in futures)
-    assert store.errors >= 1  # the statement timed out and is being retried
     proxy.resume()
     await asyncio.wait_for(asyncio.gather(*futures), 20)
     assert await store.close() == 0

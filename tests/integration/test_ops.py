@@ -41,7 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.client import RequestFailed
 from broker.topology import DEFAULT_QUEUE, Topology
-from tests.integration.test_service import Harness, eventually
+from tests.integration.fleet import Env
+from tests.integration.helpers import eventually
 from worker.config import _ENV_FIELDS, _SERVICE_ENV
 from worker.ledger.migrate import upgrade_async
 from worker.metrics import METRIC_NAMES
@@ -162,7 +163,7 @@ def compose_config() -> dict[str, Any]:
     exe = need(
         "docker-compose",
         "apt-get install -y docker-compose (Debian's 1.29 validates without a Docker engine; "
-        ".ci/run installs it)",
+        "`bash ops/setup.sh test` installs it)",
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFLOW_", "COMPOSE_"))}
     cmd = [exe, "-f", str(COMPOSE)]
@@ -423,23 +424,27 @@ def test_dockerfile_copies_what_exists_and_its_model_snippet_runs() -> None:
 # -- a real worker, scraped by a real Prometheus -------------------------------------------------
 
 
-@pytest.fixture
-async def ops_harness(
-    amqp_url: str, rabbit_topology: Topology, empty_schema: Callable[[], str], tmp_path: Path
-) -> AsyncIterator[Harness]:
-    url = empty_schema()
-    await upgrade_async(url)
-    h = Harness(amqp_url, rabbit_topology, url, tmp_path)
-    try:
-        await h.open()
-        yield h
-    finally:
-        await h.close()
-
-
 @pytest.fixture(scope="session")
 def tiny_smollm2(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("smollm2")
+
+
+@pytest.fixture
+async def ops_env(
+    amqp_url: str,
+    rabbit_topology: Topology,
+    empty_schema: Callable[[], str],
+    tiny_smollm2: Path,
+    tmp_path: Path,
+) -> AsyncIterator[Env]:
+    url = empty_schema()
+    await upgrade_async(url)
+    env = Env(amqp_url, rabbit_topology, url, tmp_path, tiny_smollm2)
+    try:
+        await env.open()
+        yield env
+    finally:
+        await env.close()
 
 
 class PrometheusServer:
@@ -454,7 +459,7 @@ class PrometheusServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        exe = need("prometheus", "apt-get install -y prometheus (.ci/run installs it)")
+        exe = need("prometheus", "apt-get install -y prometheus (`bash ops/setup.sh test` does)")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
@@ -533,7 +538,7 @@ def prometheus_scraping(target: str, workdir: Path) -> Iterator[PrometheusServer
         server.stop()
 
 
-async def serve_some_requests(h: Harness, tag: str) -> dict[str, int]:
+async def serve_some_requests(h: Env, tag: str) -> dict[str, int]:
     """Plain and streamed requests sharing a prompt prefix, one bad message (rejected
     and dead-lettered), one expired request; returns how many of each were sent."""
     prefix = list(range(100, 140))  # 40 tokens: 2 full KV blocks shared (prefix cache)
@@ -566,20 +571,17 @@ async def serve_some_requests(h: Harness, tag: str) -> dict[str, int]:
 
 @pytest.mark.timeout(240)
 async def test_every_dashboard_query_returns_data_from_a_real_prometheus(
-    ops_harness: Harness, tiny_smollm2: Path, tmp_path: Path
+    ops_env: Env, tmp_path: Path
 ) -> None:
-    h = ops_harness
+    h = ops_env
     port = free_port()
-    w = h.start(
-        "ops",
-        model=tiny_smollm2,
-        max_num_seqs=4,
-        extra=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+    w = h.worker(
+        "ops", max_num_seqs=4, extra=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
     )
     with prometheus_scraping(f"127.0.0.1:{port}", tmp_path / "prometheus") as prom:
         await prom.ready()
         await h.ready(w)
-        sel = f'{{job="kvflow-worker", worker="{w.id}"}}'
+        sel = f'{{job="kvflow-worker", worker="{w.name}"}}'
 
         async def scraped() -> bool:
             return await prom.value(f"kvflow_worker_state{sel}") == 1.0
@@ -595,7 +597,14 @@ async def test_every_dashboard_query_returns_data_from_a_real_prometheus(
             return done >= sent["completed"] and rejected >= sent["rejected"] and held == 0
 
         await eventually(seen, "the served requests in Prometheus", timeout=30, every=0.5)
-        await asyncio.sleep(3)  # a few more scrapes, so every rate has points after the events
+        # A few more scrapes, so that every rate has points after the events.
+        scrapes = 'count_over_time(up{job="kvflow-worker"}[10m])'  # one series: the worker
+        after = await prom.value(scrapes)
+
+        async def scraped_again() -> bool:
+            return await prom.value(scrapes) >= after + 3
+
+        await eventually(scraped_again, "three more scrapes", timeout=60, every=0.5)
 
         reasons = {
             r["metric"]["finished_reason"]
@@ -605,7 +614,7 @@ async def test_every_dashboard_query_returns_data_from_a_real_prometheus(
 
         empty, not_finite, exempt = [], [], []
         for expr in dashboard_exprs():
-            result = await prom.query(concrete(expr, w.id, h.topo.queue))
+            result = await prom.query(concrete(expr, w.name, h.topo.queue))
             reason = next((why for key, why in NO_DATA_HERE.items() if key in expr), None)
             if reason is not None:
                 assert "kvflow_" not in expr, f"exempt only for RabbitMQ's metrics: {expr}"
@@ -622,16 +631,11 @@ async def test_every_dashboard_query_returns_data_from_a_real_prometheus(
 
 
 @pytest.mark.timeout(180)
-async def test_every_metric_named_in_readme_and_dashboard_is_exported(
-    ops_harness: Harness, tiny_smollm2: Path
-) -> None:
-    h = ops_harness
+async def test_every_metric_named_in_readme_and_dashboard_is_exported(ops_env: Env) -> None:
+    h = ops_env
     port = free_port()
-    w = h.start(
-        "names",
-        model=tiny_smollm2,
-        max_num_seqs=4,
-        extra=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+    w = h.worker(
+        "names", max_num_seqs=4, extra=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
     )
     await h.ready(w)
     await serve_some_requests(h, f"names-{uuid.uuid4().hex[:6]}")

@@ -20,12 +20,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-import aio_pika
 import click
-from aio_pika.abc import AbstractConnection, AbstractRobustConnection
 
-from broker.client import BrokerUnavailable
-from broker.topology import Topology, amqp_url_from_env, redact_text, redact_url
+from broker.redact import redact_text
+from broker.topology import Topology, amqp_url_from_env
 from worker.ledger import migrate
 
 T = TypeVar("T")
@@ -57,7 +55,7 @@ class Endpoints:
 
     def scrub(self, text: str) -> str:
         """`text` with both URLs' passwords masked."""
-        return migrate.scrub(redact_text(text, self.amqp_url), self.database_url)
+        return redact_text(redact_text(text, self.amqp_url), self.database_url)
 
 
 def connection_options(fn: F) -> F:
@@ -129,21 +127,6 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, plain) and text:
         return text.splitlines()[0]
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no details'}"
-
-
-async def connect_broker(
-    url: str, *, robust: bool = False, timeout: float = 10.0, name: str = "kvflow admin"
-) -> AbstractConnection:
-    """A connection to RabbitMQ; BrokerUnavailable (password masked) if it cannot be made."""
-    try:
-        connect = aio_pika.connect_robust if robust else aio_pika.connect
-        conn: AbstractConnection | AbstractRobustConnection = await connect(
-            url, timeout=timeout, client_properties={"connection_name": name}
-        )
-    except Exception as e:
-        reason = redact_text(str(e) or type(e).__name__, url)
-        raise BrokerUnavailable(f"cannot reach RabbitMQ at {redact_url(url)}: {reason}") from None
-    return conn
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.IGNORECASE)

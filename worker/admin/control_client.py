@@ -25,9 +25,9 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 
+from broker.connection import connect
 from broker.control import ALL, ControlCommand, ControlReply
 from broker.topology import Topology
-from worker.admin.common import connect_broker
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ControlClient:
     @classmethod
     async def open(cls, url: str, topology: Topology, *, timeout: float = 10.0) -> ControlClient:
         """Connect and listen; BrokerUnavailable if RabbitMQ cannot be reached."""
-        connection = await connect_broker(url, timeout=timeout, name="kvflow admin control")
+        connection = await connect(url, timeout=timeout, name="kvflow admin control")
         try:
             channel = await connection.channel()
             # Declared as the workers declare it, so a command sent before any worker

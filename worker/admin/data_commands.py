@@ -12,16 +12,11 @@ from typing import IO, Any
 import click
 from tqdm import tqdm
 
+from broker.connection import connect
 from worker.admin import dlq, views
-from worker.admin.common import (
-    Endpoints,
-    TimeParam,
-    connect_broker,
-    connection_options,
-    endpoints,
-    run,
-)
+from worker.admin.common import Endpoints, TimeParam, connection_options, endpoints, run
 from worker.admin.ledger_queries import LedgerReader
+from worker.ledger.store import LedgerStore
 from worker.ledger.tables import requests as requests_table
 
 # -- kvflow dlq ------------------------------------------------------------------------------
@@ -33,7 +28,7 @@ def dlq_group() -> None:
 
 
 async def _dlq_list(ends: Endpoints, limit: int) -> dict[str, Any]:
-    connection = await connect_broker(ends.amqp_url)
+    connection = await connect(ends.amqp_url, name="kvflow admin")
     try:
         channel = await connection.channel()
         async with LedgerReader(ends.database_url) as ledger:
@@ -78,11 +73,10 @@ def dlq_list(limit: int, as_json: bool, **kw: Any) -> None:
 
 
 async def _dlq_replay(ends: Endpoints, ids: set[str] | None, progress: bool) -> dict[str, Any]:
-    connection = await connect_broker(ends.amqp_url)
+    connection = await connect(ends.amqp_url, name="kvflow admin")
     try:
         channel = await connection.channel(publisher_confirms=True)
-        async with LedgerReader(ends.database_url) as ledger:
-            await ledger.check()
+        async with await LedgerStore.open(ends.database_url) as ledger:
             outcomes, missing = await dlq.replay(
                 channel, ends.topology, ledger, ids=ids, progress=progress
             )
@@ -128,7 +122,7 @@ def dlq_replay(ids: tuple[str, ...], all_: bool, progress: bool, as_json: bool, 
 
 
 async def _dlq_purge(ends: Endpoints) -> int:
-    connection = await connect_broker(ends.amqp_url)
+    connection = await connect(ends.amqp_url, name="kvflow admin")
     try:
         return await dlq.purge(await connection.channel(), ends.topology)
     finally:

@@ -7,9 +7,10 @@
   and properties (the dead-lettering headers `x-death`, `x-first-death-*`,
   `x-last-death-*` and the quorum queue's `x-delivery-count` are dropped, so the
   request starts afresh), waits for the broker's publisher confirm, and only then acks
-  the dead letter. Before republishing, the request's ledger row is reset from
-  rejected/failed to `queued` (error cleared): otherwise the worker would find a
-  terminal row and answer from the ledger instead of running it. Fix the cause first
+  the dead letter. Before republishing, the request's ledger row is reopened from
+  rejected/failed to `queued` (error cleared, `LedgerStore.reopen_for_replay`):
+  otherwise the worker would find a terminal row and answer from the ledger instead of
+  running it. Fix the cause first
   (e.g. restart the workers with a higher `--max-tokens-cap`), or the replayed message
   is refused and dead-lettered again. `replay` takes at most the number of messages the
   queue held when it started, so a message that dies again is not replayed twice.
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from broker.topology import Topology
 from worker.admin.common import AdminError
 from worker.admin.ledger_queries import LedgerReader
+from worker.ledger.store import LedgerStore
 
 _DROPPED_HEADERS = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
 
@@ -170,13 +172,13 @@ def republished(m: AbstractIncomingMessage) -> aio_pika.Message:
 
 
 async def _replay_one(
-    m: AbstractIncomingMessage, exchange: AbstractExchange, topo: Topology, ledger: LedgerReader
+    m: AbstractIncomingMessage, exchange: AbstractExchange, topo: Topology, ledger: LedgerStore
 ) -> ReplayOutcome:
     rid = m.message_id
     reset, before = (False, None)
     try:
         if rid:
-            reset, before = await ledger.reset_for_replay(rid)
+            reset, before = await ledger.reopen_for_replay(rid)
         outcome = await exchange.publish(republished(m), routing_key=topo.queue, mandatory=True)
     except aiormq.exceptions.DeliveryError as e:
         await m.nack(requeue=True)
@@ -201,7 +203,7 @@ async def _replay_one(
 async def replay(
     channel: AbstractChannel,
     topo: Topology,
-    ledger: LedgerReader,
+    ledger: LedgerStore,
     *,
     ids: set[str] | None,
     progress: bool = True,

@@ -1,15 +1,7 @@
-"""What the admin commands read from the ledger, and the two writes they make.
+"""What the admin commands read from the ledger (they write through `LedgerStore`).
 
-Reads: the `workers` table, one `requests` row, aggregate stats over a time window
-(percentiles by `percentile_cont` on PostgreSQL, computed in Python on SQLite), and a
-streamed export. Writes, both conditional single-statement upserts so they cannot race
-a worker into an inconsistent row:
-- `cancel`: a request not yet running (no row, or `queued`) becomes `cancelled`, so the
-  worker that later receives its message finds a terminal row and answers from it;
-- `reset_for_replay`: a `rejected` or `failed` row becomes `queued` again (error
-  cleared), so a dead letter republished by `kvflow dlq replay` runs instead of being
-  answered from the ledger.
-
+The `workers` table, one `requests` row, aggregate stats over a time window (percentiles
+by `percentile_cont` on PostgreSQL, computed in Python on SQLite), and a streamed export.
 Every database failure is raised as DatabaseUnavailable, SchemaError or AdminError with
 the URL's password masked.
 """
@@ -19,42 +11,32 @@ from __future__ import annotations
 import contextlib
 import statistics
 from collections.abc import AsyncIterator, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import ColumnElement, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from broker.messages import CANCELLED
+from broker.redact import redact_url
 from worker.admin.common import AdminError
 from worker.ledger.migrate import (
     SchemaError,
     describe_error,
     is_transient,
     open_engine,
-    redact,
     unreachable,
 )
-from worker.ledger.tables import ACTIVE_STATUSES, TERMINAL_STATUSES
+from worker.ledger.records import aware
+from worker.ledger.states import ACTIVE, TERMINAL, LedgerStatus
 from worker.ledger.tables import requests as requests_table
 from worker.ledger.tables import workers as workers_table
 
-CANCEL_TEXT = "cancelled by an operator"
-REPLAYABLE = ("rejected", "failed")
 LATENCIES = ("ttft_s", "e2e_s", "queue_s")
 
 
-def _aware(value: Any) -> Any:
-    """SQLite hands back naive UTC datetimes; make every timestamp aware."""
-    if isinstance(value, datetime) and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
-
-
 def _row(mapping: Any) -> dict[str, Any]:
-    return {k: _aware(v) for k, v in dict(mapping).items()}
+    return {k: aware(v) for k, v in dict(mapping).items()}
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -91,10 +73,10 @@ class LedgerReader:
         reason = describe_error(exc, self.url)
         if "does not exist" in reason or "no such table" in reason:
             return SchemaError(
-                f"the ledger at {redact(self.url)} has no kvflow tables ({reason}): "
+                f"the ledger at {redact_url(self.url)} has no kvflow tables ({reason}): "
                 "run `kvflow db upgrade`"
             )
-        return AdminError(f"ledger query failed on {redact(self.url)}: {reason}")
+        return AdminError(f"ledger query failed on {redact_url(self.url)}: {reason}")
 
     @contextlib.asynccontextmanager
     async def connect(self, *, write: bool = False) -> AsyncIterator[AsyncConnection]:
@@ -162,8 +144,8 @@ class LedgerReader:
             .where(*self._window(since, until))
             .group_by(t.status)
         )
-        active = select(t.status, func.count()).where(t.status.in_(ACTIVE_STATUSES))
-        counts = dict.fromkeys(TERMINAL_STATUSES, 0)
+        active = select(t.status, func.count()).where(t.status.in_([s.value for s in ACTIVE]))
+        counts = {s.value: 0 for s in TERMINAL}
         prompt = completion = 0
         first: datetime | None = None
         last: datetime | None = None
@@ -172,7 +154,7 @@ class LedgerReader:
                 counts[status] = int(n)
                 prompt += int(pt or 0)
                 completion += int(ct or 0)
-                lo, hi = _aware(lo), _aware(hi)
+                lo, hi = aware(lo), aware(hi)
                 first = lo if first is None or (lo is not None and lo < first) else first
                 last = hi if last is None or (hi is not None and hi > last) else last
             now_active: dict[str, int] = {
@@ -184,7 +166,7 @@ class LedgerReader:
             "since": since,
             "until": until,
             "counts": counts,
-            "active": {s: int(now_active.get(s, 0)) for s in ACTIVE_STATUSES},
+            "active": {s.value: int(now_active.get(s, 0)) for s in ACTIVE},
             "completed": counts["completed"],
             "failed": counts["failed"],
             "finished": sum(counts.values()),
@@ -199,7 +181,7 @@ class LedgerReader:
         self, conn: AsyncConnection, since: datetime | None, until: datetime | None
     ) -> dict[str, dict[str, float | None]]:
         t = requests_table.c
-        where = [*self._window(since, until), t.status == "completed"]
+        where = [*self._window(since, until), t.status == LedgerStatus.COMPLETED.value]
         cols: list[ColumnElement[Any]] = [t[name] for name in LATENCIES]
         if self.dialect == "postgresql":
             aggs: list[Any] = []
@@ -252,62 +234,6 @@ class LedgerReader:
                     yield _row(row)
             except (OSError, TimeoutError, sa.exc.SQLAlchemyError) as e:
                 raise self._error(e) from None
-
-    # -- writes ----------------------------------------------------------------------------
-
-    async def cancel(self, id: str) -> tuple[bool, dict[str, Any] | None]:
-        """Mark `id` cancelled if it has no row or a queued one (not running, not final).
-
-        Returns (written, the row as it is now).
-        """
-        now = datetime.now(UTC)
-        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        values = {
-            "status": "cancelled",
-            "error": CANCEL_TEXT,
-            "error_code": CANCELLED,
-            "finished_at": now,
-            "updated_at": now,
-        }
-        t = requests_table.c
-        stmt = (
-            insert(requests_table)
-            .values(id=id, attempts=0, created_at=now, **values)
-            .on_conflict_do_update(
-                index_elements=[t.id],
-                set_=values,
-                where=t.status.not_in([*TERMINAL_STATUSES, "running"]),
-            )
-            .returning(t.id)
-        )
-        async with self.connect(write=True) as conn:
-            written = (await conn.execute(stmt)).first() is not None
-            row = (await conn.execute(select(requests_table).where(t.id == id))).mappings()
-            current = row.first()
-        return written, None if current is None else _row(current)
-
-    async def reset_for_replay(self, id: str) -> tuple[bool, str | None]:
-        """Make a rejected/failed row `queued` again (error and finish cleared).
-
-        Returns (reset, the status it had: None if there is no row).
-        """
-        t = requests_table.c
-        stmt = (
-            update(requests_table)
-            .where(t.id == id, t.status.in_(REPLAYABLE))
-            .values(
-                status="queued",
-                error=None,
-                error_code=None,
-                finished_at=None,
-                updated_at=datetime.now(UTC),
-            )
-            .returning(t.id)
-        )
-        async with self.connect(write=True) as conn:
-            before = await conn.scalar(select(t.status).where(t.id == id))
-            reset = (await conn.execute(stmt)).first() is not None
-        return reset, before
 
 
 def _float(value: Any) -> float | None:

@@ -32,10 +32,10 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
+from broker.connection import connect
 from broker.control import SUPERVISOR, ControlCommand, ControlReply
 from broker.publisher import ReplyPublisher
 from broker.topology import Topology
-from worker.admin.common import connect_broker
 from worker.admin.control_client import ControlClient
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Supervisor:
     async def run(self) -> int:
         """Start the workers, obey scale commands until SIGTERM/SIGINT; returns 0."""
         cfg = self.config
-        connection = await connect_broker(cfg.amqp_url, robust=True, name=f"kvflow {self.id}")
+        connection = await connect(cfg.amqp_url, robust=True, name=f"kvflow {self.id}")
         try:
             channel = await connection.channel(publisher_confirms=True)
             self._publisher = ReplyPublisher(channel)

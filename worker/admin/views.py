@@ -14,6 +14,8 @@ from typing import Any
 
 import click
 
+from broker.control import ControlReply
+
 # A worker whose last heartbeat is older than this is dead (3 missed beats of the
 # default 2 s would be 6 s; 15 s also covers a slow event loop or a busy database).
 DEAD_AFTER_S = 15.0
@@ -152,6 +154,18 @@ def _secs(v: float | None) -> str:
 
 
 # -- control replies -------------------------------------------------------------------------
+
+
+def reply_doc(r: ControlReply) -> dict[str, Any]:
+    """A worker's control reply as the commands' JSON shows it."""
+    return {
+        "worker": r.worker,
+        "cmd": r.cmd,
+        "event": r.event,
+        "ok": r.ok,
+        "info": r.info,
+        "error": r.error,
+    }
 
 
 def replies_table(replies: Sequence[Mapping[str, Any]]) -> str:

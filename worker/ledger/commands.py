@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from sqlalchemy.exc import SQLAlchemyError
 
+from broker.redact import redact_text, redact_url
 from worker.ledger import migrate
 
 database_url_option = click.option(
@@ -19,9 +20,9 @@ database_url_option = click.option(
 def _fail(action: str, url: str, exc: Exception) -> click.ClickException:
     """A one-line error for `exc`, never showing the URL's password."""
     if isinstance(exc, (migrate.DatabaseUnavailable, migrate.SchemaError, ValueError)):
-        return click.ClickException(migrate.scrub(str(exc), url))
+        return click.ClickException(redact_text(str(exc), url))
     return click.ClickException(
-        f"{action} failed on {migrate.redact(url)}: {migrate.describe_error(exc, url)}"
+        f"{action} failed on {redact_url(url)}: {migrate.describe_error(exc, url)}"
     )
 
 
@@ -39,7 +40,7 @@ def upgrade(database_url: str) -> None:
         after = migrate.upgrade(database_url)
     except (OSError, SQLAlchemyError, migrate.SchemaError, ValueError) as e:
         raise _fail("upgrade", database_url, e) from None
-    where = migrate.redact(database_url)
+    where = redact_url(database_url)
     if before == after:
         click.echo(f"database at {where} is up to date (revision {after})")
     else:
@@ -55,7 +56,7 @@ def current(database_url: str) -> None:
         head = migrate.head_revision()
     except (OSError, SQLAlchemyError, migrate.SchemaError, ValueError) as e:
         raise _fail("current", database_url, e) from None
-    where = migrate.redact(database_url)
+    where = redact_url(database_url)
     if revision == head:
         click.echo(f"database at {where}: revision {revision} (head)")
         return

@@ -10,8 +10,8 @@ $KVFLOW_MIGRATIONS_DIR); the Alembic `Config` is built here, there is no alembic
 PostgreSQL upgrades run in one transaction under an advisory lock, so two workers
 that upgrade at once do not collide.
 
-Every message that names a database goes through `redact`: a password never reaches
-a log line, an exception or the terminal.
+Every message that names a database goes through `broker.redact`: a password never
+reaches a log line, an exception or the terminal.
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, Operationa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import worker
+from broker.redact import redact_text, redact_url
 
+# The names this module gave them before redaction had one home (still importable).
+redact = redact_url
+scrub = redact_text
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 VERSION_TABLE = "kvflow_alembic_version"  # not "alembic_version": the database may be shared
 _LOCK_KEY = 0x6B76666C6F77  # b"kvflow": serializes concurrent upgrades on PostgreSQL
@@ -56,39 +60,22 @@ def default_url() -> str:
     return os.environ.get("KVFLOW_DATABASE_URL") or DEFAULT_URL
 
 
-def redact(url: str | URL) -> str:
-    """The URL with its password replaced by ***, for messages and logs."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError, TypeError):
-        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
-
-
-def scrub(message: str, url: str | URL) -> str:
-    """`message` with the URL's password (if any) replaced by ***."""
-    try:
-        password = make_url(url).password
-    except (ArgumentError, ValueError, TypeError):
-        return message
-    return message.replace(str(password), "***") if password else message
-
-
 def async_url(url: str) -> URL:
     """The URL for an async engine: postgresql+asyncpg or sqlite+aiosqlite."""
     try:
         u = make_url(url)
     except ArgumentError as e:
-        raise ValueError(f"not a database URL: {redact(url)}") from e
+        raise ValueError(f"not a database URL: {redact_url(url)}") from e
     if u.drivername in ("postgresql", "postgres", "postgresql+asyncpg"):
         return u.set(drivername="postgresql+asyncpg")
     if u.drivername in ("sqlite", "sqlite+aiosqlite"):
         if not u.database or u.database == ":memory:":
             raise ValueError(
-                f"{redact(url)}: the ledger needs a file, e.g. sqlite:///var/kvflow/ledger.db"
+                f"{redact_url(url)}: the ledger needs a file, e.g. sqlite:///var/kvflow/ledger.db"
             )
         return u.set(drivername="sqlite+aiosqlite")
     raise ValueError(
-        f"unsupported database URL {redact(url)}: "
+        f"unsupported database URL {redact_url(url)}: "
         "use postgresql://, postgresql+asyncpg:// or sqlite:///path"
     )
 
@@ -122,13 +109,13 @@ def describe_error(exc: BaseException, url: str | URL) -> str:
         reason = re.sub(r"^<class '[\w.]+'>: ", "", str(exc.orig)).strip()
     else:
         reason = str(exc).strip() or type(exc).__name__
-    return scrub(reason.splitlines()[0] if reason else type(exc).__name__, url)
+    return redact_text(reason.splitlines()[0] if reason else type(exc).__name__, url)
 
 
 def unreachable(url: str, exc: BaseException) -> DatabaseUnavailable:
     """The error to raise when connecting to `url` failed with `exc`."""
     return DatabaseUnavailable(
-        f"cannot reach the database at {redact(url)}: {describe_error(exc, url)}"
+        f"cannot reach the database at {redact_url(url)}: {describe_error(exc, url)}"
     )
 
 
@@ -236,7 +223,7 @@ def upgrade(url: str) -> str:
     """Apply every pending migration; returns the revision the database is now at."""
     revision = _run(url, _upgrade, lock=True)
     if revision is None:  # pragma: no cover - Alembic always stamps
-        raise SchemaError(f"upgrade of {redact(url)} left no revision")
+        raise SchemaError(f"upgrade of {redact_url(url)} left no revision")
     return revision
 
 
@@ -257,11 +244,11 @@ def _verdict(url: str, revision: str | None) -> str:
     known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
     if revision is not None and revision not in known:
         raise SchemaError(
-            f"database at {redact(url)} is at revision {revision}, which this kvflow does "
+            f"database at {redact_url(url)} is at revision {revision}, which this kvflow does "
             f"not know (its newest is {need}): upgrade kvflow"
         )
     raise SchemaError(
-        f"database at {redact(url)} is not migrated (at revision {revision or 'none'}, "
+        f"database at {redact_url(url)} is not migrated (at revision {revision or 'none'}, "
         f"need {need}): run `kvflow db upgrade`"
     )
 

@@ -6,7 +6,8 @@ timestamps are `timestamptz` (stored as naive UTC text on SQLite). Nullable colu
 mean "not known (yet)"; the store's upsert never overwrites a known value with NULL.
 
 This module is the source of truth for code; `migrations/versions/` holds the same
-schema as explicit, hand-written migrations (a test checks that the two agree).
+schema as explicit, hand-written migrations (a test checks that the two agree). The
+values a status, source or state column may hold come from `worker.ledger.states`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import TypeEngine
 
-# A request's status. `queued` and `running` may still change; the rest are final.
-ACTIVE_STATUSES = ("queued", "running")
-TERMINAL_STATUSES = ("completed", "failed", "rejected", "expired", "cancelled")
-STATUSES = ACTIVE_STATUSES + TERMINAL_STATUSES
-SOURCES = ("queue", "batch")
-WORKER_STATES = ("serving", "draining", "drained", "stopped")
+from worker.ledger.states import (
+    ACTIVE,
+    RECORDED_WORKER_STATES,
+    TERMINAL,
+    LedgerStatus,
+    RequestSource,
+)
+
+# The values as tuples of strings, for code that has not moved to the enums yet.
+ACTIVE_STATUSES: tuple[str, ...] = ACTIVE
+TERMINAL_STATUSES: tuple[str, ...] = TERMINAL
+STATUSES: tuple[str, ...] = tuple(LedgerStatus)
+SOURCES: tuple[str, ...] = tuple(RequestSource)
+WORKER_STATES: tuple[str, ...] = RECORDED_WORKER_STATES
 
 
 def _quoted(values: tuple[str, ...]) -> str:
