@@ -23,7 +23,7 @@ from tqdm import tqdm
 from worker.builder import EngineRequest, RequestBuilder
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import RequestOutput
-from worker.ledger.store import RequestRecord
+from worker.ledger import RequestRecord, RequestSource
 from worker.model.sampler import TokenLogprobs
 from worker.openai_format import parse_body, response_body
 from worker.outcome import Outcome
@@ -255,7 +255,7 @@ def ledger_record(
     req, out = item.request, item.output
     origin = Origin(
         worker_id=f"run-batch:{socket.gethostname()}:{os.getpid()}",
-        source="batch",
+        source=RequestSource.BATCH,
         model=engine.info.model_name,
         priority=req.priority if req is not None else None,
         enqueued_at=started,

@@ -7,6 +7,7 @@ belongs to the Metrics object (no process-global state), served by `serve()`.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -59,6 +60,17 @@ METRIC_NAMES = (
     "kvflow_ledger_pending_writes",
     "kvflow_worker_state",
 )
+
+
+class MessageEvent(enum.StrEnum):
+    """What happened to a request message (kvflow_messages_<event>)."""
+
+    RECEIVED = "received"
+    REDELIVERED = "redelivered"
+    ACKED = "acked"
+    REJECTED = "rejected"  # without requeue: dead-lettered
+    REQUEUED = "requeued"
+    REPLAYED = "replayed"  # answered from the ledger without running
 
 
 class Metrics:
@@ -148,7 +160,7 @@ class Metrics:
         ).labels(**lv)
         self._messages = {
             event: counter(f"kvflow_messages_{event}", f"Request messages {event}.").labels(**lv)
-            for event in ("received", "redelivered", "acked", "rejected", "requeued", "replayed")
+            for event in MessageEvent
         }
         self.unacked = gauge(
             "kvflow_unacked_messages", "Request messages held unacked by this worker."
@@ -203,7 +215,7 @@ class Metrics:
             for gap in out.timing.gaps_s:
                 self.itl.observe(gap)
 
-    def on_message(self, event: str) -> None:
+    def on_message(self, event: MessageEvent) -> None:
         self._messages[event].inc()
 
     def set_state(self, state: str, states: tuple[str, ...]) -> None:

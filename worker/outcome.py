@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from broker.messages import ErrorCode
 from worker.engine.outputs import RequestOutput
+from worker.ledger import LedgerStatus
 from worker.request import FinishReason, InvalidInput, PromptTooLong
 
 CANCELLED_TEXT = "cancelled by an operator"
@@ -19,11 +20,11 @@ NO_FINISH_TEXT = "the request ended without a finish reason"
 
 # The ledger status an error code ends in.
 _STATUS_OF = {
-    ErrorCode.INVALID_REQUEST: "rejected",
-    ErrorCode.PROMPT_TOO_LONG: "rejected",
-    ErrorCode.EXPIRED: "expired",
-    ErrorCode.CANCELLED: "cancelled",
-    ErrorCode.INTERNAL: "failed",
+    ErrorCode.INVALID_REQUEST: LedgerStatus.REJECTED,
+    ErrorCode.PROMPT_TOO_LONG: LedgerStatus.REJECTED,
+    ErrorCode.EXPIRED: LedgerStatus.EXPIRED,
+    ErrorCode.CANCELLED: LedgerStatus.CANCELLED,
+    ErrorCode.INTERNAL: LedgerStatus.FAILED,
 }
 
 
@@ -31,7 +32,7 @@ _STATUS_OF = {
 class Outcome:
     """status: the ledger's; code: the error reply's code (None = a normal result)."""
 
-    status: str
+    status: LedgerStatus
     code: ErrorCode | None = None
     error: str | None = None
 
@@ -70,10 +71,10 @@ class Outcome:
             return cls.internal(out.error)
         reason = out.finish_reason
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            return cls("completed")
+            return cls(LedgerStatus.COMPLETED)
         if reason == FinishReason.DEADLINE:
             # Expired while waiting, never started: an error. Mid-generation: a partial result.
-            return cls.expired() if not out.token_ids else cls("expired")
+            return cls.expired() if not out.token_ids else cls(LedgerStatus.EXPIRED)
         if reason == FinishReason.ABORT:
             return cls.cancelled()
         return cls.internal(NO_FINISH_TEXT)

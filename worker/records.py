@@ -16,7 +16,7 @@ from typing import Any
 
 from broker.messages import TIMING_FIELDS
 from worker.engine.outputs import RequestOutput
-from worker.ledger.store import RequestRecord
+from worker.ledger import RequestRecord, RequestSource
 from worker.outcome import Outcome
 
 
@@ -33,7 +33,7 @@ class Origin:
     """
 
     worker_id: str
-    source: str  # "queue" | "batch"
+    source: RequestSource
     model: str | None = None
     priority: int | None = None
     enqueued_at: float | None = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import os
 import signal
@@ -23,9 +22,9 @@ import uuid
 from collections import deque
 from datetime import UTC, datetime
 
-import aio_pika
-from aio_pika.abc import AbstractRobustConnection
+from aio_pika.abc import AbstractConnection
 
+from broker.connection import connect
 from broker.publisher import ReplyPublisher
 from broker.topology import Topology, declare, redact_url
 from worker.builder import RequestBuilder
@@ -35,7 +34,7 @@ from worker.engine.async_engine import AsyncEngine, EngineFront
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import StepStats
 from worker.engine.process_engine import ProcessEngine
-from worker.ledger.store import LedgerStore, WorkerRecord
+from worker.ledger import LedgerStore, WorkerRecord, WorkerState
 from worker.metrics import Metrics
 from worker.serving.delivery import Delivery
 from worker.serving.drain import DrainState
@@ -44,14 +43,6 @@ from worker.serving.replies import Replier
 from worker.serving.settlement import Settlement
 
 log = logging.getLogger(__name__)
-
-
-class WorkerState(enum.StrEnum):
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    DRAINED = "drained"
-    STOPPED = "stopped"
 
 
 def default_worker_id() -> str:
@@ -86,10 +77,12 @@ class Service:
         """Serve until stopped; returns the process exit code."""
         cfg = self.config
         ledger = await LedgerStore.open(cfg.database_url)
-        connection: AbstractRobustConnection | None = None
+        connection: AbstractConnection | None = None
         engine: AsyncEngine | ProcessEngine | None = None
         try:
-            connection = await self._connect()
+            connection = await connect(
+                cfg.amqp_url, robust=True, name=f"kvflow-worker {self.worker_id}"
+            )
             consume = await connection.channel(publisher_confirms=False)
             publish = await connection.channel(publisher_confirms=True)
             declared = await declare(publish, self.topology)
@@ -171,17 +164,6 @@ class Service:
                 log.error("%d ledger writes were not committed at exit", left)
             if connection is not None:
                 await connection.close()
-
-    async def _connect(self) -> AbstractRobustConnection:
-        try:
-            return await aio_pika.connect_robust(
-                self.config.amqp_url,
-                client_properties={"connection_name": f"kvflow-worker {self.worker_id}"},
-            )
-        except Exception as e:
-            raise ConnectionError(
-                f"cannot reach RabbitMQ at {redact_url(self.config.amqp_url)}: {e}"
-            ) from None
 
     def _start_metrics(self, model: str, ledger: LedgerStore) -> Metrics:
         m = Metrics(self.worker_id, model)
@@ -321,7 +303,7 @@ class Service:
         info = self.engine.info
         return WorkerRecord(
             id=self.worker_id,
-            state=self.state.value if self.state != WorkerState.STARTING else "serving",
+            state=self.state.recorded,
             host=socket.gethostname(),
             pid=os.getpid(),
             device=info.device,

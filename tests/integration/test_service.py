@@ -40,8 +40,9 @@ from sqlalchemy import func, select
 
 from broker.client import Client, Handle, RequestFailed
 from broker.messages import CONTENT_TYPE, ENQUEUED_AT_HEADER, decode_reply
-from broker.topology import Topology, queue_counts
+from broker.topology import Topology
 from tests.integration.helpers import eventually, stored
+from worker.admin.queues import queue_counts
 from worker.ledger.migrate import open_engine, upgrade_async
 from worker.ledger.store import LedgerStore, RequestRecord
 from worker.ledger.tables import requests as requests_table

@@ -29,8 +29,8 @@ from broker.messages import InvalidRequest, RequestMessage, decode_request
 from worker.builder import EngineRequest, Prompt, RequestBuilder
 from worker.engine.async_engine import EngineFront, RequestStream
 from worker.engine.outputs import RequestOutput
-from worker.ledger.store import LedgerClosed, LedgerStore
-from worker.metrics import Metrics
+from worker.ledger import LedgerClosed, LedgerStore, RequestSource
+from worker.metrics import MessageEvent, Metrics
 from worker.model.sampler import TokenLogprobs
 from worker.outcome import Outcome
 from worker.records import Origin, error_record, final_record, received_fields, timing_of
@@ -78,16 +78,16 @@ class Delivery:
     ) -> None:
         """Serve one delivery; `admitted()` is called once the engine holds the request."""
         received = time.time()
-        self.metrics.on_message("received")
+        self.metrics.on_message(MessageEvent.RECEIVED)
         if message.redelivered:
-            self.metrics.on_message("redelivered")
+            self.metrics.on_message(MessageEvent.REDELIVERED)
         try:
             req = self._decode(message, received)
         except InvalidRequest as e:
             rid = e.request_id or f"invalid-{uuid.uuid4().hex}"
             to = Address(rid, e.reply_to, e.correlation_id or rid)
             outcome = Outcome.error_of(e.code, e.message)
-            origin = Origin(self.worker_id, "queue", received_at=received)
+            origin = Origin(self.worker_id, RequestSource.QUEUE, received_at=received)
             await self.settle.reject(
                 message, to, error_record(rid, outcome, origin), error_body(rid, outcome)
             )
@@ -98,7 +98,7 @@ class Delivery:
             return
         origin = Origin(  # the priority joins once the builder has checked it
             self.worker_id,
-            "queue",
+            RequestSource.QUEUE,
             model=self.model_name,
             enqueued_at=req.enqueued_at,
             received_at=received,

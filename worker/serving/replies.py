@@ -15,7 +15,7 @@ from typing import Any
 from broker.messages import ErrorCode, encode_delta, encode_error, encode_result
 from broker.publisher import ReplyPublisher
 from worker.engine.outputs import RequestOutput
-from worker.ledger.store import RequestRecord
+from worker.ledger import LedgerStatus, RequestRecord
 from worker.model.sampler import TokenLogprobs
 from worker.outcome import Outcome
 from worker.records import timing_from_record
@@ -72,7 +72,7 @@ def result_body(
 
 def from_record(request_id: str, rec: RequestRecord) -> bytes:
     """The final reply for a request as its ledger row records it."""
-    if rec.status in ("completed", "expired") and rec.output_text is not None:
+    if rec.status in (LedgerStatus.COMPLETED, LedgerStatus.EXPIRED) and rec.output_text is not None:
         return encode_result(
             request_id,
             text=rec.output_text,
@@ -97,10 +97,10 @@ def _code_of(rec: RequestRecord) -> ErrorCode:
     """The error code a row records (rows written before codes were kept: by status)."""
     if rec.error_code is not None and rec.error_code in set(ErrorCode):
         return ErrorCode(rec.error_code)
-    by_status = {
-        "cancelled": ErrorCode.CANCELLED,
-        "expired": ErrorCode.EXPIRED,
-        "failed": ErrorCode.INTERNAL,
+    by_status: dict[str, ErrorCode] = {
+        LedgerStatus.CANCELLED: ErrorCode.CANCELLED,
+        LedgerStatus.EXPIRED: ErrorCode.EXPIRED,
+        LedgerStatus.FAILED: ErrorCode.INTERNAL,
     }
     return by_status.get(rec.status, ErrorCode.INVALID_REQUEST)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from worker.ledger.store import LedgerStore, LedgerWriteError, RequestRecord
-from worker.metrics import Metrics
+from worker.ledger import LedgerStore, LedgerWriteError, RequestRecord
+from worker.metrics import MessageEvent, Metrics
 from worker.serving.replies import Address, Replier, from_record
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Settlement:
         for message, _ in flight.copies:
             with contextlib.suppress(Exception):
                 await message.nack(requeue=True)
-                self.metrics.on_message("requeued")
+                self.metrics.on_message(MessageEvent.REQUEUED)
         flight.copies.clear()
         flight.settled.set()
 
@@ -96,7 +96,7 @@ class Settlement:
         body = from_record(to.request_id, stored)
         await self._answer(to, body)
         await self._ack(message, to, body)
-        self.metrics.on_message("replayed")
+        self.metrics.on_message(MessageEvent.REPLAYED)
 
     async def reject(
         self, message: AbstractIncomingMessage, to: Address, record: RequestRecord, body: bytes
@@ -112,7 +112,7 @@ class Settlement:
         body = self._ledger_answer(to, record, stored, body)
         await self._answer(to, body)
         await message.reject(requeue=False)
-        self.metrics.on_message("rejected")
+        self.metrics.on_message(MessageEvent.REJECTED)
         await self._settle_copies(to, body)
 
     async def dead_letter(
@@ -127,7 +127,7 @@ class Settlement:
             await self._settle_copies(to, body)
         finally:
             await message.reject(requeue=False)
-            self.metrics.on_message("rejected")
+            self.metrics.on_message(MessageEvent.REJECTED)
 
     async def requeue(self, message: AbstractIncomingMessage, request_id: str | None) -> None:
         """Give a delivery back to the queue (drain, shutdown, no ledger): never dead-lettered.
@@ -140,7 +140,7 @@ class Settlement:
         for m in messages:
             try:
                 await m.nack(requeue=True)
-                self.metrics.on_message("requeued")
+                self.metrics.on_message(MessageEvent.REQUEUED)
             except Exception as e:
                 log.warning(
                     "could not requeue %s (%r); the broker requeues it when the channel closes",
@@ -190,7 +190,7 @@ class Settlement:
     async def _ack_one(self, message: AbstractIncomingMessage, request_id: str) -> None:
         try:
             await message.ack()
-            self.metrics.on_message("acked")
+            self.metrics.on_message(MessageEvent.ACKED)
         except Exception as e:  # channel gone: the broker redelivers, the ledger answers
             log.warning(
                 "could not ack %s (%r); a redelivery will be answered from the ledger",
