@@ -1,11 +1,11 @@
 """One integration test's world of real processes: its queues, its ledger schema, `kvflow
-worker` / `kvflow up` subprocesses, the `kvflow` CLI, and a gate that holds a worker's
-engine at a known point.
+worker` / `kvflow up` subprocesses, the `kvflow` CLI, and a gate that holds requests at
+a known point.
 
 Tests synchronise on events (ledger rows, replies, heartbeats, control replies), never
 on how long a step takes here: `Gate` uses the engine's test hook (worker/engine/faults.py)
-so that a request marked with `HOLD_TOKEN` stops every worker it runs on after its first
-token, until the test opens the gate.
+so that a request marked with `HOLD_TOKEN` sits still after its first token (keeping its
+place in the batch) until the test opens the gate; unmarked requests go on.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 0.2
 READY_TIMEOUT_S = 90.0
 CLI_TIMEOUT_S = 120.0
-HOLD_TOKEN = 4242  # in a prompt, marks the request that holds a gated worker's engine
+HOLD_TOKEN = 4242  # in a prompt, marks a request that a closed gate holds
 
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """While `path` exists, a worker started with this gate makes no progress once a
-    request whose prompt holds HOLD_TOKEN has its first token (aborts still apply)."""
+    """While `path` exists, a request whose prompt holds HOLD_TOKEN, on a worker started
+    with this gate, makes no progress once it has its first token (aborts still apply)."""
 
     path: Path
 
@@ -336,7 +336,7 @@ class Env:
     async def submit_long(
         self, rid: str, max_tokens: int, *, held: bool = False, **kw: Any
     ) -> Handle:
-        """A request of exactly `max_tokens` tokens; `held`: it holds a gated worker."""
+        """A request of exactly `max_tokens` tokens; `held`: a closed gate holds it."""
         prompt = [1, HOLD_TOKEN, 3] if held else [1, 2, 3]
         return await self.client.submit(
             prompt_token_ids=prompt, id=rid, max_tokens=max_tokens, ignore_eos=True, **kw

@@ -6,7 +6,7 @@ Each test has its own `test.<hex>` queues (KVFLOW_EXCHANGE and KVFLOW_QUEUE poin
 them) and its own migrated ledger schema. The control exchange is shared by every
 worker on the broker, so the tests address workers by id (or by queue, as `--all`
 does), never all of them at once. Where a test needs work to be in progress (a drain,
-a cancel, a scale-up under load), a gate holds the engine (tests/integration/fleet.py):
+a cancel, a scale-up under load), a gate holds marked requests (tests/integration/fleet.py):
 nothing depends on how fast this machine runs a request.
 """
 
@@ -78,8 +78,8 @@ async def test_drain_finishes_running_work_then_resume_serves_the_rest(env: Env)
     await env.ready(w)
     n = 12
     held = await env.submit_long("d-held", 50, held=True, stream=True)
-    await first_delta(held)  # running, and the engine stops there until the gate opens
-    handles = [held] + [await env.submit_long(f"d-{i}", 50) for i in range(n - 1)]
+    await first_delta(held)  # running, and it stops there until the gate opens
+    handles = [held] + [await env.submit_long(f"d-{i}", 50, held=True) for i in range(n - 1)]
 
     async def took_more() -> bool:
         return len(await env.running_on(w.name)) >= 2
@@ -134,8 +134,8 @@ async def test_drain_past_its_timeout_requeues_and_resume_completes(env: Env) ->
     await env.ready(w)
     n = 24
     held = await env.submit_long("r-held", 60, held=True, stream=True)
-    await first_delta(held)  # from here on the engine makes no progress: nothing finishes
-    handles = [held] + [await env.submit_long(f"r-{i}", 60) for i in range(n - 1)]
+    await first_delta(held)  # every request here is held after its first token
+    handles = [held] + [await env.submit_long(f"r-{i}", 60, held=True) for i in range(n - 1)]
 
     async def batch_taken() -> bool:
         return len(await env.running_on(w.name)) >= 8
@@ -192,12 +192,13 @@ async def test_scale_up_and_down_under_load(env: Env) -> None:
         return len(await env.worker_rows()) == 1
 
     await eventually(one_live, "the supervisor's first worker", timeout=READY_TIMEOUT_S)
-    # The first worker holds a marked request (the gate): what it took stays with it, so
-    # the rest of the load can only be served by the workers the scale-up adds.
+    # Every request is held after its first token (the gate): what the first worker took
+    # stays with it, so the rest of the load can only be served by the workers the
+    # scale-up adds.
     n = 48
     held = await env.submit_long("s-held", 40, held=True, stream=True)
     await first_delta(held)
-    handles = [held] + [await env.submit_long(f"s-{i}", 40) for i in range(n - 1)]
+    handles = [held] + [await env.submit_long(f"s-{i}", 40, held=True) for i in range(n - 1)]
 
     up3 = (await env.kvflow("scale", "3", "--json")).ok().json
     assert len(up3["done"]) == 1, up3
