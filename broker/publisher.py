@@ -1,12 +1,15 @@
-"""Publish replies (deltas, results, errors) to a request's reply_to queue."""
+"""Publish replies (deltas, results, errors) to a request's reply_to queue, and requests
+back onto their own queue (`Requeuer`)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from broker.messages import CONTENT_TYPE
 
@@ -58,3 +61,44 @@ class ReplyPublisher:
             )
             return False
         return True
+
+
+class Requeuer:
+    """Puts a delivered request back onto its queue as a new message (publisher confirms).
+
+    A broker requeue (`nack(requeue=True)`) counts toward the queue's delivery limit; a
+    new message starts from zero. The worker uses this for returns that are not the
+    request's fault (its engine died), with kvflow's own counts in `headers`.
+    """
+
+    def __init__(self, channel: AbstractChannel, queue: str) -> None:
+        if not channel.publisher_confirms:
+            raise ValueError("Requeuer needs a channel opened with publisher_confirms=True")
+        self._channel = channel
+        self._queue = queue
+
+    async def republish(self, message: AbstractIncomingMessage, headers: Mapping[str, Any]) -> None:
+        """Publish a copy of `message` (body and properties, `headers` merged into its
+        headers) to the queue and wait for the broker's confirm; raises if it is not
+        confirmed (the caller then keeps the original)."""
+        copy = aio_pika.Message(
+            message.body,
+            headers={**(message.headers or {}), **headers},
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            priority=message.priority,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
+            expiration=message.expiration,
+            message_id=message.message_id,
+            timestamp=message.timestamp,
+            type=message.type,
+            app_id=message.app_id,  # not user_id: the broker checks it against our login
+        )
+        copy.headers.pop("x-delivery-count", None)  # the broker's, for the old message
+        outcome = await self._channel.default_exchange.publish(
+            copy, routing_key=self._queue, mandatory=True
+        )
+        if isinstance(outcome, aiormq.abc.DeliveredMessage):
+            raise RuntimeError(f"queue {self._queue!r} did not take the message back")

@@ -258,8 +258,7 @@ def ledger_record(
         source=RequestSource.BATCH,
         model=engine.info.model_name,
         priority=req.priority if req is not None else None,
-        enqueued_at=started,
-        received_at=started,
+        received_at=started,  # no enqueue time: delays count from the engine's arrival
         metadata={"custom_id": item.custom_id, "batch": source_name, "line": item.line_no},
     )
     if req is None or out is None or item.error is not None:

@@ -18,6 +18,21 @@ EXPIRED_TEXT = "the request's deadline passed before it started"
 INTERNAL_TEXT = "internal error while serving the request (see the worker's log)"
 NO_FINISH_TEXT = "the request ended without a finish reason"
 
+
+def returned_text(deliveries: int) -> str:
+    return (
+        f"delivered {deliveries} times without an outcome (the workers serving it stopped "
+        "or died each time): the queue's delivery limit is reached, it is not run again"
+    )
+
+
+def crashed_alone_text(crashes: int) -> str:
+    return (
+        f"the engine process died while running this request alone (it was part of "
+        f"{crashes} engine crashes): it is not run again"
+    )
+
+
 # The ledger status an error code ends in.
 _STATUS_OF = {
     ErrorCode.INVALID_REQUEST: LedgerStatus.REJECTED,

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from aio_pika.abc import AbstractConnection
 
 from broker.connection import connect
-from broker.publisher import ReplyPublisher
+from broker.publisher import ReplyPublisher, Requeuer
 from broker.topology import Topology, declare, redact_url
 from worker.builder import RequestBuilder
 from worker.config import EngineConfig, ServiceConfig
@@ -37,8 +37,9 @@ from worker.engine.process_engine import ProcessEngine
 from worker.ledger import LedgerStore, WorkerRecord, WorkerState
 from worker.metrics import Metrics
 from worker.serving.delivery import Delivery
-from worker.serving.drain import DrainState
+from worker.serving.drain import DrainState, GiveBack
 from worker.serving.intake import FlowControl, Intake
+from worker.serving.isolation import Isolation
 from worker.serving.replies import Replier
 from worker.serving.settlement import Settlement
 
@@ -96,7 +97,13 @@ class Service:
             self.engine = engine
             metrics = self.metrics = self._start_metrics(engine.info.model_name, ledger)
             replier = Replier(ReplyPublisher(publish))
-            settlement = Settlement(ledger, replier, metrics)
+            settlement = Settlement(
+                ledger,
+                replier,
+                metrics,
+                delivery_limit=cfg.delivery_limit,
+                requeuer=Requeuer(publish, declared.queue.name),
+            )
             delivery = Delivery(
                 engine=engine,
                 builder=RequestBuilder(engine.tokenizer, engine.limits),
@@ -108,7 +115,7 @@ class Service:
                 worker_id=self.worker_id,
                 default_max_tokens=cfg.default_max_tokens,
                 max_message_bytes=cfg.max_message_bytes,
-                delivery_limit=cfg.delivery_limit,
+                isolation=Isolation(),
             )
             flow = FlowControl(self.engine_config.max_num_seqs + cfg.lookahead, cfg.reserve_blocks)
             intake = self.intake = Intake(
@@ -189,8 +196,9 @@ class Service:
             self._stop.set()
 
     def _engine_failed(self, error: str, request_ids: list[str]) -> None:
-        """The engine died: its requests go back to the queue (another worker, or this
-        one restarted, runs them), and the worker stops with a non-zero exit code."""
+        """The engine died: its requests go back to the queue as crash suspects (another
+        worker, or this one restarted, runs each alone; one that kills the engine again
+        when alone ends failed), and the worker stops with a non-zero exit code."""
         log.error(
             "worker %s: engine failed (%s); requeueing %d requests and stopping",
             self.worker_id,
@@ -198,7 +206,7 @@ class Service:
             len(request_ids),
         )
         self.failure = error
-        self.drain_state.give_back(request_ids)
+        self.drain_state.give_back(request_ids, GiveBack.CRASHED)
         self.request_stop()
 
     def _intake_done(self, task: asyncio.Task[None]) -> None:

@@ -16,6 +16,9 @@ ACCEPTED_CONTENT_TYPES = frozenset({CONTENT_TYPE, "application/x-msgpack"})
 ENQUEUED_AT_HEADER = "x-enqueued-at"
 
 DELIVERY_COUNT_HEADER = "x-delivery-count"
+# Set by workers on a request they put back on its queue after their engine died while
+# running it: how many engine crashes it was part of (it then runs alone).
+CRASHES_HEADER = "x-kvflow-crashes"
 
 MAX_ID_LENGTH = 255
 
@@ -129,7 +132,8 @@ class RequestMessage:
     fields as floats and `stop` as a list, ready for ``SamplingParams(**sampling)``.
     `deadline` already folds in the AMQP expiration. `enqueued_at` is unix seconds
     (None when the producer sent neither a timestamp nor ``x-enqueued-at``).
-    `delivery_count` is the quorum queue's count of earlier failed deliveries.
+    `delivery_count` is the quorum queue's count of earlier returns of this message;
+    `crashes`, how many engine crashes the request was part of (`CRASHES_HEADER`).
     """
 
     id: str
@@ -146,6 +150,7 @@ class RequestMessage:
     enqueued_at: float | None = None
     redelivered: bool = False
     delivery_count: int | None = None
+    crashes: int = 0
 
 
 def pack(data: Any) -> bytes:

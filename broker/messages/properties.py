@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from broker.messages.contract import DELIVERY_COUNT_HEADER, ENQUEUED_AT_HEADER
+from broker.messages.contract import CRASHES_HEADER, DELIVERY_COUNT_HEADER, ENQUEUED_AT_HEADER
 
 # Year 5138: anything later is not unix seconds (milliseconds, most likely).
 _LATEST_UNIX_S = 1e11
@@ -56,3 +56,9 @@ def delivery_count(headers: Mapping[str, Any] | None) -> int | None:
     """The quorum queue's count of earlier failed deliveries (None when absent)."""
     count = (headers or {}).get(DELIVERY_COUNT_HEADER)
     return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+def crashes(headers: Mapping[str, Any] | None) -> int:
+    """How many engine crashes the request was part of (0 when absent or malformed)."""
+    count = (headers or {}).get(CRASHES_HEADER)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0

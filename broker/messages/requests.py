@@ -20,7 +20,7 @@ from broker.messages.contract import (
     RequestMessage,
     pack,
 )
-from broker.messages.properties import delivery_count, enqueued_at
+from broker.messages.properties import crashes, delivery_count, enqueued_at
 
 
 def _usable_id(value: str) -> bool:
@@ -157,6 +157,7 @@ def _decode(
         enqueued_at=enqueued,
         redelivered=bool(redelivered),
         delivery_count=delivery_count(headers),
+        crashes=crashes(headers),
         **fields,
     )
 

@@ -12,13 +12,14 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from worker.ledger.migrate import redact, upgrade
+from worker.ledger.migrate import redact, upgrade, upgrade_async
 
 T = TypeVar("T")
 
@@ -250,3 +251,32 @@ async def amqp_connection(amqp_url: str) -> AsyncIterator[Any]:
     connection = await aio_pika.connect(amqp_url, timeout=5)
     yield connection
     await connection.close()
+
+
+# -- the queue worker's harness (tests/integration/harness.py) ------------------------------
+
+
+@pytest.fixture
+async def harness(
+    amqp_url: str,
+    rabbit_topology: Any,
+    empty_schema: Callable[[], str],
+    tmp_path: Path,
+) -> AsyncIterator[Any]:
+    """A `tests.integration.harness.Harness` on this test's queues and a migrated schema."""
+    from tests.integration.harness import Harness
+
+    url = empty_schema()
+    await upgrade_async(url)
+    h = Harness(amqp_url, rabbit_topology, url, tmp_path)
+    try:
+        await h.open()
+        yield h
+    finally:
+        await h.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    """The tiny random-weight SmolLM2-shaped model the queue tests serve."""
+    return tiny_model_dir("smollm2")

@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 
-from broker.messages import decode_reply
+from broker.messages import CRASHES_HEADER, decode_reply
 from worker.engine.engine import Capacity
-from worker.ledger.store import RequestRecord
+from worker.ledger import RequestRecord, RequestSource
 from worker.metrics import Metrics
 from worker.outcome import Outcome
 from worker.records import Origin, error_record
-from worker.serving.drain import DrainState
+from worker.serving.drain import DrainState, GiveBack
 from worker.serving.intake import FlowControl, Intake
+from worker.serving.isolation import Isolation
 from worker.serving.replies import Address, Replier, error_body
-from worker.serving.settlement import Settlement
+from worker.serving.settlement import Return, Settlement
 
 # -- stand-ins -----------------------------------------------------------------------------
 
@@ -33,6 +34,7 @@ class FakeMessage:
     tag: int
     events: list[tuple[str, int]]
     redelivered: bool = False
+    headers: dict[str, Any] = field(default_factory=dict)
 
     async def ack(self) -> None:
         self.events.append(("ack", self.tag))
@@ -75,11 +77,12 @@ def settlement(events: list[Any], ledger: FakeLedger | None = None) -> Settlemen
         ledger,  # type: ignore[arg-type]
         Replier(FakePublisher(events)),  # type: ignore[arg-type]
         Metrics("w", "m"),
+        delivery_limit=3,
     )
 
 
 def failed_record(rid: str, worker: str = "w") -> RequestRecord:
-    return error_record(rid, Outcome.internal("boom"), Origin(worker, "queue"))
+    return error_record(rid, Outcome.internal("boom"), Origin(worker, RequestSource.QUEUE))
 
 
 def body_of(rid: str) -> bytes:
@@ -95,9 +98,11 @@ async def test_drain_state_pause_resume_give_back_and_cancel() -> None:
     d.resume()
     assert not d.paused
     d.give_back(["a", "b"])
-    assert not d.accepting and d.is_given_back("a") and not d.is_given_back("c")
+    d.give_back(["c"], GiveBack.CRASHED)
+    assert not d.accepting and d.given_back("a") is GiveBack.REQUEUE
+    assert d.given_back("c") is GiveBack.CRASHED and d.given_back("x") is None
     d.forget("a")
-    assert not d.is_given_back("a")
+    assert d.given_back("a") is None
     d.resume()
     assert d.accepting
     for rid in ("x", "y", "z"):
@@ -213,8 +218,12 @@ async def test_intake_gives_back_a_message_pulled_as_a_drain_began() -> None:
         poll_max_s=0.01,
     )
     run = asyncio.create_task(intake.run())
-    while not events:
-        await asyncio.sleep(0)
+
+    async def settled() -> None:
+        while not events and not run.done():
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(settled(), 10)
     intake.stop()
     await asyncio.wait_for(run, 10)
     assert events == [("requeue", 1)] and not delivered
@@ -290,3 +299,103 @@ async def test_replay_answers_from_the_row_and_acks(status: str) -> None:
     (reply,) = [to for what, to in events if what == "reply"]
     assert reply[2]["type"] == ("result" if status == "completed" else "error")
     assert events[-1] == ("ack", 1)
+
+
+# -- giving deliveries back ----------------------------------------------------------------
+
+
+@dataclass
+class FakeRequeuer:
+    events: list[tuple[str, Any]]
+    fail: bool = False
+
+    async def republish(self, message: Any, headers: Any) -> None:
+        if self.fail:
+            raise RuntimeError("not confirmed")
+        self.events.append(("republish", (message.tag, dict(headers))))
+
+
+def back(why: GiveBack, count: int = 0, crashes: int = 0) -> Return:
+    return Return(
+        why, "r1", count, crashes, Address("r1", "q", "c"), Origin("w", RequestSource.QUEUE)
+    )
+
+
+def settlement_with(events: list[Any], requeuer: FakeRequeuer | None = None) -> Settlement:
+    return Settlement(
+        FakeLedger(events),  # type: ignore[arg-type]
+        Replier(FakePublisher(events)),  # type: ignore[arg-type]
+        Metrics("w", "m"),
+        delivery_limit=3,
+        requeuer=requeuer,  # type: ignore[arg-type]
+    )
+
+
+async def test_a_requeue_counts_and_the_last_allowed_delivery_ends_failed() -> None:
+    events: list[Any] = []
+    s = settlement_with(events)
+    await s.give_back(FakeMessage(1, events), back(GiveBack.REQUEUE, count=2))  # type: ignore[arg-type]
+    assert events == [("requeue", 1)]
+    events.clear()
+    assert s.last_delivery(3) and not s.last_delivery(2)
+    await s.give_back(FakeMessage(2, events), back(GiveBack.REQUEUE, count=3))  # type: ignore[arg-type]
+    assert [e[0] for e in events] == ["commit", "reply", "dead-letter"]
+    (reply,) = [to for what, to in events if what == "reply"]
+    assert reply[2]["error"]["code"] == "internal"
+    assert "delivery limit" in reply[2]["error"]["message"]
+
+
+async def test_crash_suspects_go_back_as_new_messages_not_charged() -> None:
+    events: list[Any] = []
+    s = settlement_with(events, FakeRequeuer(events))
+    await s.give_back(FakeMessage(1, events), back(GiveBack.CRASHED, count=2, crashes=0))  # type: ignore[arg-type]
+    await s.give_back(FakeMessage(2, events), back(GiveBack.ENGINE_DOWN, count=2, crashes=1))  # type: ignore[arg-type]
+    assert events == [
+        ("republish", (1, {CRASHES_HEADER: 1})),
+        ("ack", 1),
+        ("republish", (2, {CRASHES_HEADER: 1})),  # not running when the engine died
+        ("ack", 2),
+    ]
+
+
+async def test_a_suspect_that_crashes_the_engine_alone_ends_failed() -> None:
+    events: list[Any] = []
+    s = settlement_with(events, FakeRequeuer(events))
+    await s.give_back(FakeMessage(1, events), back(GiveBack.CRASHED_ALONE, crashes=1))  # type: ignore[arg-type]
+    assert [e[0] for e in events] == ["commit", "reply", "dead-letter"]
+
+
+async def test_without_a_confirmed_republish_the_broker_requeues() -> None:
+    events: list[Any] = []
+    s = settlement_with(events, FakeRequeuer(events, fail=True))
+    await s.give_back(FakeMessage(1, events), back(GiveBack.CRASHED))  # type: ignore[arg-type]
+    assert events == [("requeue", 1)]
+
+
+async def test_isolation_runs_a_suspect_alone_and_is_not_starved() -> None:
+    iso = Isolation()
+    order: list[str] = []
+    release = {name: asyncio.Event() for name in ("a", "s", "b")}
+
+    async def run(name: str, suspect: bool) -> None:
+        async with iso.enter(suspect):
+            order.append(f"+{name}")
+            await release[name].wait()
+            order.append(f"-{name}")
+
+    a = asyncio.create_task(run("a", False))
+    await asyncio.sleep(0)
+    s = asyncio.create_task(run("s", True))  # waits for a to leave
+    await asyncio.sleep(0)
+    b = asyncio.create_task(run("b", False))  # waits behind the suspect
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert order == ["+a"]
+    release["a"].set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert order == ["+a", "-a", "+s"] and iso.alone
+    release["s"].set()
+    release["b"].set()
+    await asyncio.wait_for(asyncio.gather(a, s, b), 5)
+    assert order == ["+a", "-a", "+s", "-s", "+b", "-b"] and not iso.alone

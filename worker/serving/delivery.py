@@ -32,12 +32,13 @@ from worker.engine.outputs import RequestOutput
 from worker.ledger import LedgerClosed, LedgerStore, RequestSource
 from worker.metrics import MessageEvent, Metrics
 from worker.model.sampler import TokenLogprobs
-from worker.outcome import Outcome
+from worker.outcome import Outcome, returned_text
 from worker.records import Origin, error_record, final_record, received_fields, timing_of
 from worker.request import FinishReason, InvalidInput
-from worker.serving.drain import DrainState
+from worker.serving.drain import DrainState, GiveBack
+from worker.serving.isolation import Isolation
 from worker.serving.replies import Address, Replier, error_body, result_body
-from worker.serving.settlement import Settlement
+from worker.serving.settlement import Return, Settlement
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Delivery:
         worker_id: str,
         default_max_tokens: int,
         max_message_bytes: int,
-        delivery_limit: int,
+        isolation: Isolation,
     ) -> None:
         self.engine = engine
         self.builder = builder
@@ -71,7 +72,7 @@ class Delivery:
         self.model_name = engine.info.model_name
         self.default_max_tokens = default_max_tokens
         self.max_message_bytes = max_message_bytes
-        self.delivery_limit = delivery_limit
+        self.isolation = isolation
 
     async def handle(
         self, message: AbstractIncomingMessage, admitted: Callable[[], None] = lambda: None
@@ -106,11 +107,11 @@ class Delivery:
         )
         try:
             await self._serve(message, req, to, origin, admitted)
-        except LedgerClosed:
+        except LedgerClosed:  # shutting down: nothing can be recorded any more
             await self.settle.requeue(message, req.id)
         except Exception:
             log.exception("request %s failed inside the worker", req.id)
-            await self._fail(message, req, to, origin)
+            await self.settle.give_back(message, self._return(GiveBack.REQUEUE, req, to, origin))
         finally:
             self.drain.forget(req.id)
             await self.settle.release(req.id)
@@ -156,21 +157,28 @@ class Delivery:
         # Checked again: a cancel or a drain may have come while it was recorded and built.
         if await self._ended_before_start(message, req, to, origin):
             return
-        if not self.drain.accepting or self.engine.error is not None:
-            await self.settle.requeue(message, req.id)
-            return
-        stream = self.engine.add_request(
-            built.request_id,
-            built.prompt_token_ids,
-            built.params,
-            arrival_time=origin.received_at,
-            priority=built.priority,
-            deadline=built.deadline,
-        )
-        admitted()
-        final, logprobs = await self._stream(req, to, stream, built)
-        if final.finish_reason == FinishReason.ABORT and self.drain.is_given_back(req.id):
-            await self.settle.requeue(message, req.id)
+        async with self.isolation.enter(suspect=req.crashes > 0):
+            if not self.drain.accepting or self.engine.error is not None:
+                down = GiveBack.ENGINE_DOWN if self.engine.error else GiveBack.REQUEUE
+                await self.settle.give_back(message, self._return(down, req, to, origin))
+                return
+            stream = self.engine.add_request(
+                built.request_id,
+                built.prompt_token_ids,
+                built.params,
+                arrival_time=origin.received_at,
+                priority=built.priority,
+                deadline=built.deadline,
+            )
+            admitted()
+            final, logprobs = await self._stream(req, to, stream, built)
+            why: GiveBack | None = None
+            if final.finish_reason == FinishReason.ABORT:
+                why = self.drain.given_back(req.id)
+            if why is GiveBack.CRASHED and req.crashes > 0 and self.isolation.alone:
+                why = GiveBack.CRASHED_ALONE  # a suspect, alone in the engine: the cause
+        if why is not None:
+            await self.settle.give_back(message, self._return(why, req, to, origin))
             return
         record = final_record(req.id, final, origin, prompt_tokens=len(built.prompt_token_ids))
         timing = timing_of(final, origin.enqueued_at, origin.received_at)
@@ -181,7 +189,15 @@ class Delivery:
     async def _ended_before_start(
         self, message: AbstractIncomingMessage, req: RequestMessage, to: Address, origin: Origin
     ) -> bool:
-        """Cancelled by an operator or past its deadline: recorded, answered, acked."""
+        """Cancelled by an operator, past its deadline, or on the last delivery the queue
+        allows after earlier ones that never settled: recorded, answered, settled."""
+        if self.settle.last_delivery(req.delivery_count):
+            count = (req.delivery_count or 0) + 1
+            outcome = Outcome.internal(returned_text(count))
+            await self.settle.dead_letter(
+                message, to, error_record(req.id, outcome, origin), error_body(req.id, outcome)
+            )
+            return True
         if self.drain.take_cancelled(req.id):
             outcome = Outcome.cancelled()
         elif req.deadline is not None and time.time() >= req.deadline:
@@ -233,17 +249,8 @@ class Delivery:
         assert final is not None
         return final, logprobs
 
-    async def _fail(
-        self, message: AbstractIncomingMessage, req: RequestMessage, to: Address, origin: Origin
-    ) -> None:
-        """An internal error: retry elsewhere, unless this was the last delivery allowed."""
-        if (req.delivery_count or 0) + 1 < self.delivery_limit:
-            await self.settle.requeue(message, req.id)
-            return
-        outcome = Outcome.internal()
-        await self.settle.dead_letter(
-            message, to, error_record(req.id, outcome, origin), error_body(req.id, outcome)
-        )
+    def _return(self, why: GiveBack, req: RequestMessage, to: Address, origin: Origin) -> Return:
+        return Return(why, req.id, req.delivery_count, req.crashes, to, origin)
 
 
 def _seconds(expiration: object) -> float | None:

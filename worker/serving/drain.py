@@ -9,8 +9,18 @@ Nothing else holds drain or cancel state.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections import OrderedDict
 from collections.abc import Iterable
+
+
+class GiveBack(enum.Enum):
+    """Why a running request goes back to the queue instead of finishing here."""
+
+    REQUEUE = "requeue"  # a drain, an error of this worker: a broker requeue (it counts)
+    ENGINE_DOWN = "engine down"  # the engine died; it was not running: not its fault
+    CRASHED = "crashed"  # running with others when the engine died: a suspect
+    CRASHED_ALONE = "crashed alone"  # the only request running when the engine died
 
 
 class DrainState:
@@ -19,7 +29,7 @@ class DrainState:
     def __init__(self, keep_cancelled: int = 10_000) -> None:
         self._resumed = asyncio.Event()
         self._accepting = True
-        self._give_back: set[str] = set()
+        self._give_back: dict[str, GiveBack] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._keep_cancelled = keep_cancelled
 
@@ -49,18 +59,19 @@ class DrainState:
         the queue instead of starting."""
         return self._accepting
 
-    def give_back(self, request_ids: Iterable[str]) -> None:
+    def give_back(self, request_ids: Iterable[str], why: GiveBack = GiveBack.REQUEUE) -> None:
         """Stop accepting; these running requests, once aborted, go back to the queue
-        (requeued, not cancelled)."""
+        (not cancelled), for the reason `why`."""
         self._accepting = False
-        self._give_back.update(request_ids)
+        self._give_back.update(dict.fromkeys(request_ids, why))
 
-    def is_given_back(self, request_id: str) -> bool:
-        return request_id in self._give_back
+    def given_back(self, request_id: str) -> GiveBack | None:
+        """Why `request_id` goes back to the queue (None: it was not given back)."""
+        return self._give_back.get(request_id)
 
     def forget(self, request_id: str) -> None:
         """The delivery of `request_id` is settled."""
-        self._give_back.discard(request_id)
+        self._give_back.pop(request_id, None)
 
     # -- cancel ----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
+from broker.messages.properties import delivery_count
 from worker.engine.async_engine import EngineFront
 from worker.engine.engine import Capacity
 from worker.metrics import Metrics
@@ -119,8 +120,10 @@ class Intake:
                 pause = min(pause * 2, self.poll_max_s)
                 continue
             pause = 0.002
-            if self.drain.paused or self._stopping.is_set():
-                # A drain began while this pull was in flight: give the message back.
+            # A drain began while this pull was in flight: give the message back, unless
+            # the queue would then drop it (its last allowed delivery): that one is served.
+            draining = self.drain.paused or self._stopping.is_set()
+            if draining and not self.settlement.last_delivery(delivery_count(message.headers)):
                 await self.settlement.requeue(message, None)
                 continue
             self.pulled += 1

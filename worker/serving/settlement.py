@@ -21,11 +21,28 @@ from dataclasses import dataclass, field
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from broker.messages import CRASHES_HEADER
+from broker.publisher import Requeuer
 from worker.ledger import LedgerStore, LedgerWriteError, RequestRecord
 from worker.metrics import MessageEvent, Metrics
-from worker.serving.replies import Address, Replier, from_record
+from worker.outcome import Outcome, crashed_alone_text, returned_text
+from worker.records import Origin, error_record
+from worker.serving.drain import GiveBack
+from worker.serving.replies import Address, Replier, error_body, from_record
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Return:
+    """A delivery going back to the queue, and what is needed to end it here instead."""
+
+    why: GiveBack
+    request_id: str | None
+    delivery_count: int | None = None
+    crashes: int = 0
+    to: Address | None = None  # None: not decoded (it cannot be answered or recorded)
+    origin: Origin | None = None
 
 
 @dataclass
@@ -39,10 +56,20 @@ class _Flight:
 class Settlement:
     """Commits, answers and acknowledges; one per worker."""
 
-    def __init__(self, ledger: LedgerStore, replier: Replier, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        ledger: LedgerStore,
+        replier: Replier,
+        metrics: Metrics,
+        *,
+        delivery_limit: int,
+        requeuer: Requeuer | None = None,
+    ) -> None:
         self.ledger = ledger
         self.replier = replier
         self.metrics = metrics
+        self.delivery_limit = delivery_limit
+        self.requeuer = requeuer
         self._flights: dict[str, _Flight] = {}
 
     # -- copies of one id --------------------------------------------------------------------
@@ -129,24 +156,70 @@ class Settlement:
             await message.reject(requeue=False)
             self.metrics.on_message(MessageEvent.REJECTED)
 
-    async def requeue(self, message: AbstractIncomingMessage, request_id: str | None) -> None:
-        """Give a delivery back to the queue (drain, shutdown, no ledger): never dead-lettered.
-        Its ledger row stays 'running' until the next delivery takes it up again."""
-        messages = [message]
-        flight = self._flights.get(request_id) if request_id is not None else None
-        if flight is not None:
-            messages += [m for m, _ in flight.copies]
-            flight.copies.clear()
-        for m in messages:
+    def last_delivery(self, delivery_count: int | None) -> bool:
+        """This delivery is the last the queue allows: returned once more, the broker
+        would dead-letter it on its own, whatever the ledger says."""
+        return (delivery_count or 0) >= self.delivery_limit
+
+    async def give_back(self, message: AbstractIncomingMessage, back: Return) -> None:
+        """Return a delivery to the queue, or end it here when it must not go back.
+
+        A drain (or an error of this worker) is a broker requeue, which counts toward
+        the delivery limit: on the last allowed delivery the request ends `failed`
+        instead, so the broker never drops a request the ledger thinks is running. A
+        request the dead engine was running alone ends `failed` (it is the cause);
+        requests it ran with others, or had not started, go back as new messages (not
+        charged), the former marked as crash suspects (they will run alone).
+        """
+        if back.why is GiveBack.CRASHED_ALONE and back.to is not None:
+            await self._fail(message, back, crashed_alone_text(back.crashes + 1))
+            return
+        if back.why in (GiveBack.CRASHED, GiveBack.ENGINE_DOWN) and self.requeuer is not None:
+            crashes = back.crashes + (back.why is GiveBack.CRASHED)
             try:
-                await m.nack(requeue=True)
-                self.metrics.on_message(MessageEvent.REQUEUED)
+                await self.requeuer.republish(message, {CRASHES_HEADER: crashes} if crashes else {})
             except Exception as e:
-                log.warning(
-                    "could not requeue %s (%r); the broker requeues it when the channel closes",
-                    request_id,
-                    e,
-                )
+                log.warning("could not put %s back as a new message (%r)", back.request_id, e)
+            else:
+                await self._ack_one(message, back.request_id or "?")
+                await self._requeue_copies(back.request_id)
+                return
+        if self.last_delivery(back.delivery_count) and back.to is not None:
+            await self._fail(message, back, returned_text((back.delivery_count or 0) + 1))
+            return
+        await self.requeue(message, back.request_id)
+
+    async def requeue(self, message: AbstractIncomingMessage, request_id: str | None) -> None:
+        """A broker requeue of the delivery and the copies parked behind it: never
+        dead-lettered by us (the ledger row stays 'running' until the next delivery)."""
+        await self._nack(message, request_id)
+        await self._requeue_copies(request_id)
+
+    async def _fail(self, message: AbstractIncomingMessage, back: Return, text: str) -> None:
+        assert back.to is not None and back.origin is not None
+        log.error("request %s failed: %s", back.request_id, text)
+        outcome = Outcome.internal(text)
+        record = error_record(back.to.request_id, outcome, back.origin)
+        await self.dead_letter(message, back.to, record, error_body(back.to.request_id, outcome))
+
+    async def _requeue_copies(self, request_id: str | None) -> None:
+        flight = self._flights.get(request_id) if request_id is not None else None
+        if flight is None:
+            return
+        copies, flight.copies = flight.copies, []
+        for m, _ in copies:
+            await self._nack(m, request_id)
+
+    async def _nack(self, message: AbstractIncomingMessage, request_id: str | None) -> None:
+        try:
+            await message.nack(requeue=True)
+            self.metrics.on_message(MessageEvent.REQUEUED)
+        except Exception as e:
+            log.warning(
+                "could not requeue %s (%r); the broker requeues it when the channel closes",
+                request_id,
+                e,
+            )
 
     # -- internals ---------------------------------------------------------------------------
 
