@@ -187,6 +187,20 @@ def run_batch(
     help="Seconds to finish running work on shutdown (default 60).",
 )
 @click.option(
+    "--max-request-seconds",
+    "max_request_s",
+    type=float,
+    default=None,
+    help="Longest a request may run before it ends with finish reason 'deadline' "
+    "(default 1500, below RabbitMQ's consumer_timeout of 1800; raise both together).",
+)
+@click.option(
+    "--delivery-limit",
+    type=int,
+    default=None,
+    help="The request queue's x-delivery-limit (default 5; must match the queue's).",
+)
+@click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
 )
 @click.option("--metrics-host", default=None)

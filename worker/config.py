@@ -167,6 +167,10 @@ class ServiceConfig:
     max_message_bytes: int = 1 << 20
     delivery_limit: int = 5
     drain_timeout_s: float = 60.0
+    # RabbitMQ closes a channel that holds a delivery unacked past its consumer_timeout
+    # (30 min by default, node-wide on 3.10) and redelivers everything on it: a request
+    # runs at most this long, then ends with finish reason 'deadline'.
+    max_request_s: float = 1500.0
     heartbeat_s: float = 2.0
     poll_max_s: float = 0.05  # longest pause between pulls while the queue is empty
     metrics_port: int | None = None
@@ -180,7 +184,7 @@ class ServiceConfig:
         for name in ("default_max_tokens", "max_message_bytes", "delivery_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("drain_timeout_s", "heartbeat_s", "poll_max_s"):
+        for name in ("drain_timeout_s", "heartbeat_s", "poll_max_s", "max_request_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.queue:
@@ -215,6 +219,7 @@ _SERVICE_ENV: dict[str, Callable[[str], object]] = {
     "max_message_bytes": int,
     "delivery_limit": int,
     "drain_timeout_s": float,
+    "max_request_s": float,
     "heartbeat_s": float,
     "metrics_port": int,
     "metrics_host": str,

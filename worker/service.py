@@ -115,6 +115,7 @@ class Service:
                 worker_id=self.worker_id,
                 default_max_tokens=cfg.default_max_tokens,
                 max_message_bytes=cfg.max_message_bytes,
+                max_request_s=cfg.max_request_s,
                 isolation=Isolation(),
             )
             flow = FlowControl(self.engine_config.max_num_seqs + cfg.lookahead, cfg.reserve_blocks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class Delivery:
         worker_id: str,
         default_max_tokens: int,
         max_message_bytes: int,
+        max_request_s: float,
         isolation: Isolation,
     ) -> None:
         self.engine = engine
@@ -72,6 +74,7 @@ class Delivery:
         self.model_name = engine.info.model_name
         self.default_max_tokens = default_max_tokens
         self.max_message_bytes = max_message_bytes
+        self.max_request_s = max_request_s
         self.isolation = isolation
 
     async def handle(
@@ -142,7 +145,7 @@ class Delivery:
         if await self._ended_before_start(message, req, to, origin):
             return
         try:
-            built = await self._build(req)
+            built = await self._build(req, origin)
         except InvalidInput as e:
             outcome = Outcome.invalid(e)
             await self.settle.reject(
@@ -208,7 +211,7 @@ class Delivery:
         await self.settle.conclude(message, to, record, error_body(req.id, outcome))
         return True
 
-    async def _build(self, req: RequestMessage) -> EngineRequest:
+    async def _build(self, req: RequestMessage, origin: Origin) -> EngineRequest:
         prompt = Prompt(req.prompt, req.messages, req.prompt_token_ids)
         if prompt.needs_template:
             # The first chat template render imports jinja (~1 s): off the event loop.
@@ -221,7 +224,10 @@ class Delivery:
             req.sampling,
             default_max_tokens=self.default_max_tokens,
             priority=req.priority,
-            deadline=req.deadline,
+            # The engine ends it in time for the ack to beat the broker's consumer timeout.
+            deadline=min(
+                req.deadline or math.inf, (origin.received_at or time.time()) + self.max_request_s
+            ),
         )
 
     async def _stream(
