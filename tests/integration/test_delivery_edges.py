@@ -22,7 +22,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from broker.topology import Topology
+from broker import lenient
+from broker.topology import DEFAULT_CONTROL_EXCHANGE, Topology
 from tests.integration.harness import (
     HOLD,
     LOOKAHEAD,
@@ -32,11 +33,13 @@ from tests.integration.harness import (
     results,
 )
 from tests.integration.helpers import eventually
+from tests.integration.rawamqp import HUGE_TIME, PLACEHOLDER_TIME, Patch, RawPublisher
 from worker.ledger.migrate import upgrade_async
 
 pytestmark = pytest.mark.integration
 
 CRASH = 31337  # a prompt holding this token kills the engine process (the test hook)
+PLACEHOLDER_BYTES = int(PLACEHOLDER_TIME.timestamp()).to_bytes(8, "big")
 
 
 def body(rid: str, **fields: Any) -> bytes:
@@ -178,6 +181,94 @@ async def test_a_backdated_request_does_not_jump_the_queue(
     assert ahead["enqueued_at"] == ahead["received_at"]  # clamped to the worker's clock
     waited = (ahead["admitted_at"] - ahead["received_at"]).total_seconds()
     assert ahead["queue_s"] == pytest.approx(waited, abs=1e-5)  # timestamps: microseconds
+
+
+# -- malformed AMQP properties ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+async def test_malformed_properties_cost_only_their_message(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """Properties no client library would send (not UTF-8, a timestamp past the year
+    9999), published as raw frames to the request queue and to
+    the control plane, while other requests are in flight: the worker's connection stays
+    up (nothing in flight is redelivered), each bad message is answered or dead-lettered,
+    the others run."""
+    h = harness
+    lenient.install()  # this test reads the malformed messages back from the dead letters
+    w = h.start("raw", model=tiny_dir, max_num_seqs=4)
+    await h.ready(w)
+    h.hold()
+    held = await h.client.submit(
+        prompt_token_ids=[HOLD, 7], id="raw-held", max_tokens=3, ignore_eos=True, stream=True
+    )
+    await eventually(lambda: _has(h.client, "raw-held", "delta"), "a request in flight")
+    reply = {"reply_to": h.client.reply_queue}
+    raw = await RawPublisher.connect(h.amqp_url)
+    try:
+        q = h.topo.queue
+        good = body("raw-mid", prompt_token_ids=[1, 2], max_tokens=2)
+        # a request whose AMQP message_id is not UTF-8 (its body's id is fine)
+        await raw.publish(
+            "", q, good, {**reply, "message_id": "MMMM"}, (Patch(b"MMMM", b"\xff\xfe\xfd\xfc"),)
+        )
+        # no body id, and a message_id that is not UTF-8: invalid, dead-lettered
+        await raw.publish(
+            "",
+            q,
+            msgpack.packb({"prompt": "x"}),
+            {**reply, "message_id": "NNNN", "correlation_id": "raw-noid"},
+            (Patch(b"NNNN", b"\xc3\x28\xa0\xa1"),),
+        )
+        # a timestamp past the year 9999
+        await raw.publish(
+            "",
+            q,
+            body("raw-time", prompt_token_ids=[1, 3], max_tokens=2),
+            {**reply, "timestamp": PLACEHOLDER_TIME},
+            (Patch(PLACEHOLDER_BYTES, HUGE_TIME),),
+        )
+        # a header key that is not UTF-8, and a reply_to that is not either
+        await raw.publish(
+            "",
+            q,
+            body("raw-header", prompt_token_ids=[1, 4], max_tokens=2),
+            {"headers": {"KKKK": 1}, "reply_to": "RRRR"},
+            (Patch(b"KKKK", b"\xff\xff\xff\xff"), Patch(b"RRRR", b"\xfe\xfe\xfe\xfe")),
+        )
+        # and on the control plane, which every worker listens to
+        await raw.publish(
+            DEFAULT_CONTROL_EXCHANGE,  # the workers listen on the default one
+            "",
+            b"\x00",
+            {"message_id": "CCCC"},
+            (Patch(b"CCCC", b"\xff" * 4),),
+        )
+    finally:
+        await raw.close()
+    served = ["raw-mid", "raw-time", "raw-header"]
+    rows = await h.settled(served)
+    for rid in served:
+        assert rows[rid]["status"] == "completed", rows[rid]
+    assert [r["type"] for r in h.client.replies["raw-mid"]][-1] == "result"
+    dead: list[str | None] = []
+
+    async def dead_lettered() -> bool:
+        while (m := await h.dead.get(no_ack=True, fail=False)) is not None:
+            dead.append(m.correlation_id)
+        return "raw-noid" in dead
+
+    await eventually(dead_lettered, "the message without a usable id in the dead-letter queue")
+    assert dead == ["raw-noid"], dead
+    h.release()
+    result = await held.result(60)
+    assert result["type"] == "result"
+    row = (await h.settled(["raw-held"]))["raw-held"]
+    assert row["attempts"] == 1, "the request in flight was redelivered: the connection dropped"
+    assert w.alive(), w.tail()
+    pong = await h.client.submit(prompt_token_ids=[1, 6], max_tokens=1)
+    assert (await pong.result(30))["type"] == "result"
 
 
 # -- the delivery limit ---------------------------------------------------------------------------
