@@ -6,6 +6,7 @@ from aio_pika import connect as plain_connect
 from aio_pika import connect_robust
 from aio_pika.abc import AbstractConnection
 
+from broker import lenient
 from broker.errors import BrokerUnavailable
 from broker.redact import redact_text, redact_url
 
@@ -14,7 +15,9 @@ async def connect(
     url: str, *, robust: bool = False, timeout: float = 10.0, name: str = "kvflow"
 ) -> AbstractConnection:
     """A connection to `url` (robust: reconnects by itself), named `name` in the broker's
-    management views; BrokerUnavailable, password masked, if it cannot be made."""
+    management views; BrokerUnavailable, password masked, if it cannot be made. Frames
+    are decoded leniently (`broker.lenient`): one malformed message never closes it."""
+    lenient.install()
     opener = connect_robust if robust else plain_connect
     try:
         return await opener(url, timeout=timeout, client_properties={"connection_name": name})

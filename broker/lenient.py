@@ -9,7 +9,8 @@ ends the connection's frame reader: the connection closes, and every delivery on
 `install()` makes those decoders lenient: a malformed string decodes with surrogate
 escapes (which kvflow's contract checks then refuse: the message is rejected alone),
 an out-of-range timestamp decodes as absent. It changes
-pamqp's decoder tables for the whole process, once; the worker calls it at start-up.
+pamqp's decoder tables for the whole process, once; every kvflow connection
+(`broker.connection.connect`) calls it first.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from datetime import UTC, datetime
 
 from aio_pika.abc import AbstractConnection
 
-from broker import lenient
 from broker.connection import connect
 from broker.publisher import ReplyPublisher, Requeuer
 from broker.topology import Topology, declare, redact_url
@@ -78,7 +77,6 @@ class Service:
     async def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
         cfg = self.config
-        lenient.install()  # a malformed message must not close the connection
         ledger = await LedgerStore.open(cfg.database_url)
         connection: AbstractConnection | None = None
         engine: AsyncEngine | ProcessEngine | None = None
