@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import msgpack
 import pytest
 
@@ -85,6 +86,53 @@ async def test_two_producers_sending_one_id_both_get_the_outcome(
     row = (await h.settled([rid]))[rid]
     assert row["status"] == "completed" and row["attempts"] == 1, row
     assert await h.ready_count() == 0 and await h.dead_letter_count() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_malformed_copy_of_a_running_id_does_not_end_it(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """A bad body under the id of a request being served (a buggy or hostile producer):
+    the bad message is answered and dead-lettered, the request runs on to its own
+    outcome; and a bad body under an id that already ended is answered with that outcome."""
+    h = harness
+    w = h.start("badcopy", model=tiny_dir, max_num_seqs=4)
+    await h.ready(w)
+    h.hold()
+    rid = "good-" + uuid.uuid4().hex[:6]
+    good = await h.client.submit(
+        prompt_token_ids=[HOLD, 8], id=rid, max_tokens=3, ignore_eos=True, stream=True
+    )
+    await eventually(lambda: _has(h.client, rid, "delta"), "the valid request to run")
+    other = await RecordingClient.connect(h.amqp_url, topology=h.topo)  # another producer
+    try:
+        bad = body(rid, prompt="x", temperature="hot")
+        await _publish_to(h, other, bad, rid)
+        await eventually(lambda: _has(other, rid, "error"), "the bad copy to be answered")
+        h.release()
+        result = await good.result(60)
+        assert result["type"] == "result" and len(result["token_ids"]) == 3
+        row = (await h.settled([rid]))[rid]
+        assert row["status"] == "completed", row
+        await h.dead_letters({rid})
+        # once it has ended, a bad copy is answered with what the ledger keeps
+        await _publish_to(h, other, bad, rid)
+        await eventually(lambda: _has(other, rid, "result"), "the ledger's outcome")
+        assert other.replies[rid][-1]["text"] == result["text"]
+    finally:
+        await other.close()
+    assert (await h.rows([rid]))[rid]["status"] == "completed"
+
+
+async def _publish_to(h: Harness, replies: RecordingClient, payload: bytes, rid: str) -> None:
+    message = aio_pika.Message(
+        payload,
+        content_type="application/msgpack",
+        message_id=rid,
+        correlation_id=rid,
+        reply_to=replies.reply_queue,
+    )
+    await h.exchange.publish(message, routing_key=h.topo.queue, mandatory=True)
 
 
 @pytest.mark.timeout(150)

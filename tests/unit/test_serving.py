@@ -70,6 +70,10 @@ class FakeLedger:
         fut.set_result(kept)
         return fut
 
+    async def record_if_new(self, rec: RequestRecord) -> RequestRecord:
+        self.events.append(("commit-if-new", rec.id))
+        return self.rows.setdefault(rec.id, rec)
+
 
 def settlement(events: list[Any], ledger: FakeLedger | None = None) -> Settlement:
     ledger = ledger or FakeLedger(events)
@@ -287,6 +291,21 @@ async def test_the_reply_is_the_outcome_the_ledger_kept() -> None:
     )  # type: ignore[arg-type]
     (reply,) = [to for what, to in events if what == "reply"]
     assert reply[2]["type"] == "result" and reply[2]["text"] == "kept"
+    assert ("dead-letter", 1) in events
+
+
+async def test_a_bad_copy_of_a_running_id_leaves_its_row_alone() -> None:
+    events: list[Any] = []
+    ledger = FakeLedger(events)
+    running = RequestRecord("r1", "running", worker_id="other")
+    ledger.rows["r1"] = running
+    s = settlement(events, ledger)
+    await s.reject(
+        FakeMessage(1, events), Address("r1", "q", "c"), failed_record("r1"), body_of("r1")
+    )  # type: ignore[arg-type]
+    assert ledger.rows["r1"] is running
+    (reply,) = [to for what, to in events if what == "reply"]
+    assert reply[2]["type"] == "error"  # this message's own error: the request runs on
     assert ("dead-letter", 1) in events
 
 

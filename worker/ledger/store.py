@@ -188,6 +188,22 @@ class LedgerStore:
         stmt = statements.upsert_worker(self._dialect, worker.row(datetime.now(UTC)))
         await self._once(lambda conn: conn.execute(stmt), write=True)
 
+    async def record_if_new(self, rec: RequestRecord) -> RequestRecord:
+        """Write `rec` only if its id has no row yet; returns the row the ledger holds
+        for the id afterwards (ours, or the one that was there). For a rejection of
+        bad input: a malformed copy of an id must never end a valid request's row. One
+        attempt (DatabaseUnavailable if the database cannot be reached)."""
+        stmt = statements.insert(self._dialect)(requests_table).values(rec.row(datetime.now(UTC)))
+        stmt = stmt.on_conflict_do_nothing(index_elements=[requests_table.c.id])
+        query = select(requests_table).where(requests_table.c.id == rec.id)
+
+        async def write(conn: AsyncConnection) -> RequestRecord:
+            await conn.execute(stmt)
+            row = (await conn.execute(query)).mappings().one()
+            return RequestRecord.from_row(row)
+
+        return await self._once(write, write=True)
+
     async def cancel_unstarted(
         self, id: str, *, error: str, error_code: str
     ) -> tuple[bool, LedgerStatus | None]:

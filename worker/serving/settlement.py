@@ -128,15 +128,17 @@ class Settlement:
     async def reject(
         self, message: AbstractIncomingMessage, to: Address, record: RequestRecord, body: bytes
     ) -> None:
-        """Bad input: a 'rejected' row, an error reply (the ledger's outcome if the id
-        already had one), and the message to the dead-letter queue."""
+        """Bad input: a 'rejected' row (unless the id already has one: a malformed copy
+        never ends a valid request's row), an error reply (the ledger's outcome if the id
+        already ended), and the message to the dead-letter queue."""
         log.info("rejected %s: %s", to.request_id, record.error)
         try:
-            stored = await self.ledger.record(record)
-        except LedgerWriteError as e:  # the dead-letter queue still keeps the message
+            stored: RequestRecord | None = await self.ledger.record_if_new(record)
+        except Exception as e:  # the dead-letter queue still keeps the message
             log.error("rejected %s without a ledger row: %s", to.request_id, e)
             stored = None
-        body = self._ledger_answer(to, record, stored, body)
+        if stored is not None and stored.terminal:
+            body = self._ledger_answer(to, record, stored, body)
         await self._answer(to, body)
         await message.reject(requeue=False)
         self.metrics.on_message(MessageEvent.REJECTED)
