@@ -39,6 +39,11 @@ from broker.topology import Topology, TopologyMismatch, amqp_url_from_env
 )
 @click.option("--queue", envvar="KVFLOW_QUEUE", default=None, help="[env KVFLOW_QUEUE]")
 @click.option("--exchange", envvar="KVFLOW_EXCHANGE", default=None, help="[env KVFLOW_EXCHANGE]")
+@click.option(
+    "--no-declare",
+    is_flag=True,
+    help="Do not declare the exchange and queues (a producer user may not).",
+)
 def submit(
     prompt: str | None,
     messages_json: str | None,
@@ -53,6 +58,7 @@ def submit(
     url: str | None,
     queue: str | None,
     exchange: str | None,
+    no_declare: bool,
 ) -> None:
     """Submit PROMPT ('-' reads stdin) to the kvflow workers and print the reply."""
     if prompt == "-":
@@ -78,7 +84,7 @@ def submit(
         **{k: v for k, v in sampling.items() if v is not None},
     }
     try:
-        asyncio.run(_submit(url, queue, topo, request, timeout, as_json))
+        asyncio.run(_submit(url, queue, topo, request, timeout, as_json, not no_declare))
     except InvalidRequest as e:
         raise click.UsageError(f"invalid request: {e}") from None
     except (
@@ -98,8 +104,9 @@ async def _submit(
     request: dict[str, Any],
     timeout: float | None,
     as_json: bool,
+    declare: bool,
 ) -> None:
-    async with await Client.connect(url, queue, topology=topo) as client:
+    async with await Client.connect(url, queue, topology=topo, declare_topology=declare) as client:
         handle = await client.submit(**request)
         if not request["wait_reply"]:
             click.echo(json.dumps({"id": handle.id}) if as_json else handle.id)
