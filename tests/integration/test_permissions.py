@@ -193,3 +193,26 @@ async def _kvflow(*args: str) -> str:
     )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     return out.decode() + err.decode()
+
+
+def test_kubernetes_permissions_match_the_script() -> None:
+    """One permission model: ops/k8s's operator resources say what users.sh sets."""
+    import yaml
+
+    printed = subprocess.run(
+        ["bash", str(REPO / "ops/rabbitmq/users.sh"), "--print"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    script = {printed[0]: printed[1:4], printed[4]: printed[5:8]}
+    docs = yaml.safe_load_all((REPO / "ops/k8s/rabbitmq-permissions/permissions.yaml").read_text())
+    k8s = {
+        d["spec"]["userReference"]["name"]: [
+            d["spec"]["permissions"][k] for k in ("configure", "write", "read")
+        ]
+        for d in docs
+        if d["kind"] == "Permission"
+    }
+    assert k8s == script
