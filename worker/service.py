@@ -88,6 +88,8 @@ class Service:
             publish = await connection.channel(publisher_confirms=True)
             declared = await declare(publish, self.topology)
             queue = await consume.get_queue(declared.queue.name, ensure=False)
+            max_held = self.engine_config.max_num_seqs + cfg.lookahead
+            await consume.set_qos(prefetch_count=max_held)  # the consumer's window
             # The step loop runs in its own process (no GIL shared with this event loop)
             # unless an engine object was handed in (tests).
             if self._llm is not None:
@@ -118,7 +120,7 @@ class Service:
                 max_request_s=cfg.max_request_s,
                 isolation=Isolation(),
             )
-            flow = FlowControl(self.engine_config.max_num_seqs + cfg.lookahead, cfg.reserve_blocks)
+            flow = FlowControl(max_held, cfg.reserve_blocks)
             intake = self.intake = Intake(
                 queue,
                 engine,

@@ -51,9 +51,9 @@ def _child(config: EngineConfig, conn: Connection) -> None:
         cmds: list[Command] = []
         try:
             if block:
-                cmds.append(conn.recv())
+                cmds.extend(conn.recv())
             while conn.poll():
-                cmds.append(conn.recv())
+                cmds.extend(conn.recv())  # the parent sends lists of commands
         except (EOFError, OSError):  # the parent is gone
             cmds.append(Stop())
         return cmds
@@ -99,6 +99,9 @@ class ProcessEngine(EngineFront):
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
+        # Commands of one event-loop turn go down the pipe as one message: a burst of
+        # deliveries costs one pickle and one write, not one each.
+        self._outbox: list[Command] = []
 
     @classmethod
     async def launch(
@@ -151,8 +154,8 @@ class ProcessEngine(EngineFront):
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the step loop (running requests are aborted) and the process."""
         if self._running:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._send(Stop())
+            self._send(Stop())
+            self._flush()
         await asyncio.to_thread(self._process.join, timeout_s)
         if self._process.is_alive():
             log.warning("engine process did not stop within %.0f s; killing it", timeout_s)
@@ -175,8 +178,22 @@ class ProcessEngine(EngineFront):
         return self._process.pid
 
     def _send(self, command: Command) -> None:
-        with self._send_lock:
-            self._conn.send(command)
+        self._outbox.append(command)
+        if len(self._outbox) > 1:
+            return  # a flush is already scheduled
+        loop = self._loop
+        if loop is None or isinstance(command, Stop):
+            self._flush()
+        else:
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        if not batch:
+            return
+        with self._send_lock, contextlib.suppress(BrokenPipeError, OSError):
+            # A broken pipe means the child is gone: the reader reports it.
+            self._conn.send(batch)
 
     def _read(self) -> None:
         error = "the engine process exited"

@@ -1,12 +1,16 @@
-"""Pulling work: a message is taken from the queue only when the engine can place it.
+"""Taking work: a message reaches the worker only when the engine can place it.
 
-Flow control (`FlowControl.can_pull`): a free sequence slot, counting every message held
-unsettled (running, waiting, being admitted, finishing, parked as a copy) against
-`max_num_seqs + lookahead`, and KV room for the waiting prompts plus a reserve of blocks.
-So a worker never sits on a backlog another worker could serve, and a pulled request
-joins the running batch at the next step boundary.
+The intake consumes with a prefetch window of `max_num_seqs + lookahead`: the broker
+never has more of this worker's messages unacked than that, and every message held
+unsettled (running, waiting, being admitted, finishing, parked as a copy) counts. It
+consumes only while the engine has KV room for the waiting prompts plus a reserve of
+blocks (`FlowControl.has_room`); when room runs out the consumer is cancelled, and it
+consumes again when room frees. So a worker never sits on a backlog another worker
+could serve, a message needs no round trip of its own (a basic.get per message capped
+a worker near 175 messages/s), and a delivered request joins the running batch at the
+next step boundary.
 
-The intake owns what is held: one task per message, from the pull until it is settled.
+The intake owns what is held: one task per message, from its delivery until it is settled.
 """
 
 from __future__ import annotations
@@ -33,16 +37,13 @@ Deliver = Callable[[AbstractIncomingMessage, Callable[[], None]], Awaitable[None
 
 @dataclass(frozen=True)
 class FlowControl:
-    """When one more message may be pulled."""
+    """How much a worker takes: a window of unsettled messages, and KV room."""
 
-    max_held: int  # max_num_seqs + lookahead
+    max_held: int  # max_num_seqs + lookahead: the consumer's prefetch window
     reserve_blocks: int
 
-    def can_pull(self, cap: Capacity, held: int, admitting: int) -> bool:
-        # A finished request's message stays unacked until its ledger row commits and
-        # its reply is confirmed: count messages held, not only requests in the engine.
-        if max(cap.running + cap.waiting + admitting, held) >= self.max_held:
-            return False
+    def has_room(self, cap: Capacity) -> bool:
+        """KV room for the waiting prompts plus the reserve: keep consuming."""
         return cap.free_tokens >= self.reserve_blocks * cap.block_size
 
 
@@ -73,7 +74,6 @@ class Intake:
         self.burst = burst
         self.pulled = 0
         self._held: set[asyncio.Task[None]] = set()
-        self._admitting = 0
         self._capacity_changed = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -87,47 +87,73 @@ class Intake:
         self._capacity_changed.set()
 
     def stop(self) -> None:
-        """End `run` after the pull in flight (not cancelled: a basic.get cancelled in
-        flight makes the client close the channel, and with it the acks still to come)."""
+        """End `run`: its consumer is cancelled (run is not: an RPC cancelled in flight
+        makes the client close the channel, and with it the acks still to come)."""
         self._stopping.set()
         self._capacity_changed.set()
 
     async def run(self) -> None:
-        """Pull until stopped; returns early in burst mode once the queue is empty and
-        nothing is held."""
+        """Consume while resumed and the engine has room, until stopped; returns early
+        in burst mode once the queue is empty and nothing is held."""
+        tag: str | None = None
         pause = 0.002
-        while not self._stopping.is_set():
-            if self.drain.paused:
-                await _first(self.drain.wait_resumed(), self._stopping.wait())
-                continue
-            if not self.flow.can_pull(self.engine.capacity(), self.held, self._admitting):
+        try:
+            while not self._stopping.is_set():
+                want = not self.drain.paused and self.flow.has_room(self.engine.capacity())
+                try:
+                    if want and tag is None:
+                        tag = await self.queue.consume(self._delivered, no_ack=False)
+                    elif not want and tag is not None:
+                        await self.queue.cancel(tag)
+                        tag = None
+                except Exception as e:  # a closed channel: the robust connection reopens
+                    # it (and its consumers); the intake must outlive it
+                    log.warning("consume or cancel failed (%r); retrying", e)
+                    await asyncio.sleep(0.5)
+                    continue
+                if self.burst and tag is not None and not self._held:
+                    if await self._queue_is_empty():
+                        log.info("queue empty and nothing in flight: burst mode ends")
+                        return
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, self.poll_max_s)
+                    continue
                 self._capacity_changed.clear()
+                waits: list[Awaitable[object]] = [
+                    self._capacity_changed.wait(),
+                    self._stopping.wait(),
+                ]
+                if self.drain.paused:
+                    waits.append(self.drain.wait_resumed())
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._capacity_changed.wait(), 0.5)
-                continue
-            try:
-                message = await self.queue.get(no_ack=False, fail=False, timeout=10)
-            except Exception as e:  # a closed channel, a timed-out get: the robust
-                # connection reopens the channel; the intake must outlive it
-                log.warning("pull failed (%r); retrying", e)
-                await asyncio.sleep(0.5)
-                continue
-            if message is None:
-                if self.burst and not self._held:
-                    log.info("queue empty and nothing in flight: burst mode ends")
-                    return
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, self.poll_max_s)
-                continue
-            pause = 0.002
-            # A drain began while this pull was in flight: give the message back, unless
-            # the queue would then drop it (its last allowed delivery): that one is served.
-            draining = self.drain.paused or self._stopping.is_set()
-            if draining and not self.settlement.last_delivery(delivery_count(message.headers)):
-                await self.settlement.requeue(message, None)
-                continue
-            self.pulled += 1
-            self._hold(message)
+                    await asyncio.wait_for(_first(*waits), 0.5)
+        finally:
+            if tag is not None:
+                with contextlib.suppress(Exception):
+                    await self.queue.cancel(tag)
+
+    async def _delivered(self, message: AbstractIncomingMessage) -> None:
+        # A drain began while this delivery was on its way: give the message back,
+        # unless the queue would then drop it (its last allowed delivery): that one is
+        # served.
+        draining = self.drain.paused or self._stopping.is_set()
+        if draining and not self.settlement.last_delivery(delivery_count(message.headers)):
+            await self.settlement.requeue(message, None)
+            return
+        self.pulled += 1
+        self._hold(message)
+
+    async def _queue_is_empty(self) -> bool:
+        """Burst mode: nothing left to take (a basic.get; what it finds is held)."""
+        try:
+            message = await self.queue.get(no_ack=False, fail=False, timeout=10)
+        except Exception as e:
+            log.warning("pull failed (%r); retrying", e)
+            return False
+        if message is None:
+            return True
+        await self._delivered(message)
+        return False
 
     async def wait_settled(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for every held message to be settled; returns how many
@@ -137,23 +163,9 @@ class Intake:
         return len(self._held)
 
     def _hold(self, message: AbstractIncomingMessage) -> None:
-        # The request counts as "being admitted" until the engine has it (or it ended
-        # without running): only then does the engine's capacity figure include it.
-        self._admitting += 1
-        pending = True
-
-        def admitted() -> None:
-            nonlocal pending
-            if pending:
-                pending = False
-                self._admitting -= 1
-                self._capacity_changed.set()
-
         async def run() -> None:
-            try:
-                await self.deliver(message, admitted)
-            finally:
-                admitted()
+            # `admitted`: the engine has the request, its capacity figure counts it now.
+            await self.deliver(message, self._capacity_changed.set)
 
         task = asyncio.create_task(run())
         self._held.add(task)

@@ -23,7 +23,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from broker.messages import CRASHES_HEADER
 from broker.publisher import Requeuer
-from worker.ledger import LedgerStore, LedgerWriteError, RequestRecord
+from worker.ledger import LedgerStore, RequestRecord
 from worker.metrics import MessageEvent, Metrics
 from worker.outcome import Outcome, crashed_alone_text, returned_text
 from worker.records import Origin, error_record
