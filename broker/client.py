@@ -124,12 +124,14 @@ class Client:
         deadline: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         wait_reply: bool = True,
+        client: str | None = None,
         **sampling: Any,
     ) -> Handle:
         """Publish one request; returns once the broker has confirmed it (persistent).
 
         `sampling` takes the contract's sampling fields (max_tokens, temperature, ...).
         With wait_reply=False no reply_to is set: the result goes to the ledger only.
+        `client` names the producer service the request is accounted to (fair sharing).
         Raises InvalidRequest (a ValueError) for a request the worker would refuse,
         SubmitFailed when the broker does not take it.
         """
@@ -149,6 +151,7 @@ class Client:
             deadline=deadline,
             stream=stream,
             metadata=metadata,
+            client=client,
         )
         now = time.time()
         message = aio_pika.Message(

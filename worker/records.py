@@ -39,6 +39,7 @@ class Origin:
     enqueued_at: float | None = None
     received_at: float | None = None
     metadata: Mapping[str, Any] | None = None
+    client: str | None = None
 
     def __post_init__(self) -> None:
         if self.enqueued_at is not None and self.received_at is not None:
@@ -56,6 +57,7 @@ def received_fields(origin: Origin, prompt: str | None) -> dict[str, Any]:
         "received_at": utc(origin.received_at),
         "metadata": origin.metadata,
         "source": origin.source,
+        "client": origin.client,
     }
 
 
@@ -149,6 +151,7 @@ def final_record(
         preemptions=int(timing["preemptions"] or 0),
         metadata=origin.metadata,
         source=origin.source,
+        client=origin.client,
     )
 
 
@@ -168,4 +171,5 @@ def error_record(request_id: str, outcome: Outcome, origin: Origin) -> RequestRe
         finished_at=utc(time.time()),
         metadata=origin.metadata,
         source=origin.source,
+        client=origin.client,
     )

@@ -16,6 +16,9 @@ sampling (all optional; see `SAMPLING_FIELDS`)
     ``min_tokens``, ``repetition_penalty``, ``presence_penalty``,
     ``frequency_penalty``, ``logprobs``. Only their types are checked here; the worker
     checks their ranges and answers ``invalid_request``.
+``client`` (string, at most 64 printable characters)
+    The producer service the request is accounted to for fair sharing; when absent,
+    the AMQP ``app_id``, else "default".
 ``priority`` (int, lower is served first), ``deadline`` (unix seconds)
     The AMQP ``expiration`` property is honoured too: the deadline becomes the
     earlier of ``deadline`` and enqueue time + expiration.
@@ -53,6 +56,7 @@ from broker.messages.contract import (
     CANCELLED,
     CONTENT_TYPE,
     CRASHES_HEADER,
+    DEFAULT_CLIENT,
     DEFAULT_MAX_MESSAGE_BYTES,
     DELIVERY_COUNT_HEADER,
     ENQUEUED_AT_HEADER,
@@ -73,13 +77,14 @@ from broker.messages.contract import (
     RequestMessage,
 )
 from broker.messages.replies import decode_reply, encode_delta, encode_error, encode_result
-from broker.messages.requests import decode_request, encode_request
+from broker.messages.requests import client_of, decode_request, encode_request
 
 __all__ = [
     "ACCEPTED_CONTENT_TYPES",
     "CANCELLED",
     "CONTENT_TYPE",
     "CRASHES_HEADER",
+    "DEFAULT_CLIENT",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DELIVERY_COUNT_HEADER",
     "ENQUEUED_AT_HEADER",
@@ -98,6 +103,7 @@ __all__ = [
     "ErrorCode",
     "InvalidRequest",
     "RequestMessage",
+    "client_of",
     "decode_reply",
     "decode_request",
     "encode_delta",

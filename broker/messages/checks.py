@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from broker.messages.contract import (
+    MAX_CLIENT_LENGTH,
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
     MAX_METADATA_DEPTH,
@@ -49,6 +50,8 @@ def check_fields(data: dict[Any, Any]) -> dict[str, Any]:
     out["sampling"] = sampling
     if "priority" in given:
         out["priority"] = _integer(given["priority"], "priority")
+    if "client" in given:
+        out["client"] = client_name(given["client"], "client")
     if "deadline" in given:
         out["deadline"] = _number(given["deadline"], "deadline")
     if "stream" in given:
@@ -132,6 +135,17 @@ def _json_compatible(value: Any, path: str, depth: int = 0) -> None:
             raise ValueError(f"{path} must be a finite number, got {value!r}")
     elif value is not None and not isinstance(value, (str, int, bool)):
         raise ValueError(f"{path} must be JSON-compatible, got {wire_type(value)}")
+
+
+def client_name(value: Any, name: str) -> str:
+    """A client's name: printable, 1 to MAX_CLIENT_LENGTH characters."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {describe(value)}")
+    if not 0 < len(value) <= MAX_CLIENT_LENGTH or not value.isprintable():
+        raise ValueError(
+            f"{name} must be printable text of 1 to {MAX_CLIENT_LENGTH} characters, got {value!r}"
+        )
+    return value
 
 
 def _expect(value: Any, kind: type, name: str, wanted: str) -> Any:

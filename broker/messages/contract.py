@@ -25,6 +25,8 @@ MAX_ID_LENGTH = 255
 MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 32
 MAX_MESSAGES = 1024  # chat messages in one request
+MAX_CLIENT_LENGTH = 64
+DEFAULT_CLIENT = "default"  # a request that names no client (body `client`, AMQP app_id)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
@@ -97,7 +99,16 @@ SAMPLING_FIELDS: Mapping[str, FieldKind] = {
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 
 REQUEST_FIELDS = frozenset(
-    {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS, "priority", "deadline", "stream", "metadata"}
+    {
+        "id",
+        *PROMPT_FIELDS,
+        *SAMPLING_FIELDS,
+        "priority",
+        "deadline",
+        "stream",
+        "metadata",
+        "client",
+    }
 )
 
 
@@ -132,6 +143,8 @@ class RequestMessage:
     fields as floats and `stop` as a list, ready for ``SamplingParams(**sampling)``.
     `deadline` already folds in the AMQP expiration. `enqueued_at` is unix seconds
     (None when the producer sent neither a timestamp nor ``x-enqueued-at``).
+    `client` is the producer service the request is accounted to: the body's `client`,
+    else the AMQP `app_id`, else "default".
     `delivery_count` is the quorum queue's count of earlier returns of this message;
     `crashes`, how many engine crashes the request was part of (`CRASHES_HEADER`).
     """
@@ -142,6 +155,7 @@ class RequestMessage:
     prompt_token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
+    client: str = DEFAULT_CLIENT
     deadline: float | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None

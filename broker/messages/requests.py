@@ -9,10 +9,11 @@ from typing import Any
 
 import msgpack
 
-from broker.messages.checks import check_fields, describe, wire_type
+from broker.messages.checks import check_fields, client_name, describe, wire_type
 from broker.messages.contract import (
     ACCEPTED_CONTENT_TYPES,
     CONTENT_TYPE,
+    DEFAULT_CLIENT,
     DEFAULT_MAX_MESSAGE_BYTES,
     INVALID_REQUEST,
     MAX_ID_LENGTH,
@@ -41,6 +42,7 @@ def decode_request(
     redelivered: bool = False,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     received_at: float | None = None,
+    app_id: str | None = None,
 ) -> RequestMessage:
     """Decode and type-check a request body and its AMQP properties.
 
@@ -65,6 +67,7 @@ def decode_request(
             redelivered=redelivered,
             max_message_bytes=max_message_bytes,
             received_at=received_at,
+            app_id=app_id,
         )
     except InvalidRequest:
         raise
@@ -76,6 +79,19 @@ def decode_request(
             reply_to,
             correlation_id,
         ) from None
+
+
+def client_of(body_client: object, app_id: str | None) -> str:
+    """The client a request is accounted to: the body's `client`, else the AMQP app_id,
+    else "default" (an unusable name counts as absent here; the body's is checked by
+    `decode_request`)."""
+    for name in (body_client, app_id):
+        if isinstance(name, str):
+            try:
+                return client_name(name, "client")
+            except ValueError:
+                continue
+    return DEFAULT_CLIENT
 
 
 def _shortstr(value: str | None) -> str | None:
@@ -103,6 +119,7 @@ def _decode(
     redelivered: bool,
     max_message_bytes: int,
     received_at: float | None,
+    app_id: str | None,
 ) -> RequestMessage:
     given_id = message_id or correlation_id or None
     # An error is recorded under this id; without a usable one, under one of the worker's.
@@ -139,6 +156,8 @@ def _decode(
     except ValueError as e:
         raise fail(str(e), request_id) from None
 
+    if "client" not in fields:
+        fields["client"] = client_of(None, app_id)
     enqueued = enqueued_at(timestamp, headers)
     deadline = fields.pop("deadline", None)
     if expiration is not None:
@@ -173,6 +192,7 @@ def encode_request(
     deadline: float | None = None,
     stream: bool = False,
     metadata: Mapping[str, Any] | None = None,
+    client: str | None = None,
 ) -> bytes:
     """Encode a request body, checked with the same rules the worker applies.
 
@@ -190,6 +210,8 @@ def encode_request(
             data[key] = list(value) if isinstance(value, tuple) else value
     if priority is not None:
         data["priority"] = priority
+    if client is not None:
+        data["client"] = client
     if deadline is not None:
         data["deadline"] = deadline
     if metadata is not None:

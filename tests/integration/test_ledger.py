@@ -127,6 +127,36 @@ def test_migrations_apply_from_scratch_and_are_idempotent(fresh_url: str) -> Non
     assert check_schema(fresh_url) == head
 
 
+async def test_a_ledger_holding_rows_upgrades_to_the_client_column(fresh_url: str) -> None:
+    """Revision 0002 adds `client` to a ledger already in use: its rows stay, without a
+    client; new rows record one."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from worker.ledger.migrate import alembic_config
+
+    await asyncio.to_thread(command.upgrade, alembic_config(fresh_url), "0001")
+    assert await asyncio.to_thread(current, fresh_url) == "0001"
+
+    def old_row(conn: Connection) -> None:
+        conn.execute(
+            text(
+                "INSERT INTO requests (id, status, attempts, created_at, updated_at) "
+                "VALUES ('before', 'completed', 1, :t, :t)"
+            ),
+            {"t": datetime.now(timezone.utc)},
+        )
+        conn.commit()
+
+    await _query(fresh_url, old_row)
+    assert await upgrade_async(fresh_url) == head_revision()
+    async with await LedgerStore.open(fresh_url, flush_interval_s=0) as store:
+        await store.record(RequestRecord("after", "completed", client="svc-a"))
+        before, after = await store.get("before"), await store.get("after")
+    assert before is not None and before["status"] == "completed" and before["client"] is None
+    assert after is not None and after["client"] == "svc-a"
+
+
 async def test_migrated_schema_matches_the_tables_module(fresh_url: str) -> None:
     await upgrade_async(fresh_url)
 
@@ -139,7 +169,7 @@ async def test_migrated_schema_matches_the_tables_module(fresh_url: str) -> None
 
 async def test_unmigrated_database_is_refused_with_the_upgrade_hint(fresh_url: str) -> None:
     url = _with_password(fresh_url)
-    expected = "is not migrated (at revision none, need 0001): run `kvflow db upgrade`"
+    expected = "is not migrated (at revision none, need 0002): run `kvflow db upgrade`"
     with pytest.raises(SchemaError, match="kvflow db upgrade") as sync_error:
         await asyncio.to_thread(check_schema, url)
     with pytest.raises(SchemaError) as async_error:

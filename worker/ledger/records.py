@@ -79,6 +79,7 @@ class RequestRecord:
     preemptions: int | None = None
     metadata: Mapping[str, Any] | None = None
     source: str | None = None
+    client: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:

@@ -96,6 +96,9 @@ requests = Table(
     Column("preemptions", Integer),
     Column("metadata", json_type()),
     Column("source", Text),
+    # The producer service the request is accounted to (fair sharing); NULL on rows
+    # written before revision 0002.
+    Column("client", Text),
     Column("created_at", timestamp(), nullable=False),
     Column("updated_at", timestamp(), nullable=False),
     CheckConstraint(f"status IN ({_quoted(STATUSES)})", name="ck_requests_status"),
@@ -105,6 +108,7 @@ requests = Table(
     Index("ix_requests_status_finished_at", "status", "finished_at"),
     Index("ix_requests_finished_at", "finished_at"),
     Index("ix_requests_worker_id", "worker_id"),
+    Index("ix_requests_client_finished_at", "client", "finished_at"),
 )
 
 workers = Table(

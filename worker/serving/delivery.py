@@ -107,6 +107,7 @@ class Delivery:
             enqueued_at=req.enqueued_at,
             received_at=received,
             metadata=req.metadata,
+            client=req.client,
         )
         try:
             await self._serve(message, req, to, origin, admitted)
@@ -132,6 +133,7 @@ class Delivery:
             redelivered=bool(message.redelivered),
             max_message_bytes=self.max_message_bytes,
             received_at=received,
+            app_id=message.app_id,
         )
 
     async def _serve(
