@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from worker.config import EngineConfig, parse_size
+from worker.config import EngineConfig, parse_size, parse_weights
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,7 +46,35 @@ def engine_options(fn: F) -> F:
             help="KV cache size in bytes, e.g. 2G (default: see EngineConfig).",
         ),
         click.option("--prefix-caching/--no-prefix-caching", default=None),
-        click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None),
+        click.option(
+            "--policy",
+            type=click.Choice(["fcfs", "priority", "fair"]),
+            default=None,
+            help="Who is admitted first: fcfs, priority, or fair (share between clients).",
+        ),
+        click.option(
+            "--client-weights",
+            default=None,
+            help="fair policy: client=weight,... (unlisted clients weigh 1).",
+        ),
+        click.option(
+            "--client-max-running",
+            type=int,
+            default=None,
+            help="fair policy: at most this many running sequences per client.",
+        ),
+        click.option(
+            "--prefill-mix",
+            type=click.Choice(["decode-first", "prefill-first", "chunked"]),
+            default=None,
+            help="How a step mixes new prompts and decodes (default decode-first).",
+        ),
+        click.option(
+            "--prefill-budget",
+            type=int,
+            default=None,
+            help="chunked: prompt tokens per step (default 256).",
+        ),
         click.option("--scheduling", type=click.Choice(["continuous", "static"]), default=None),
         click.option(
             "--aging-s",
@@ -77,12 +105,18 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "kv_cache_bytes": parse_size(size) if size else None,
         "enable_prefix_caching": kw.pop("prefix_caching", None),
         "policy": kw.pop("policy", None),
+        "client_weights": kw.pop("client_weights", None),
+        "client_max_running": kw.pop("client_max_running", None),
+        "prefill_mix": kw.pop("prefill_mix", None),
+        "prefill_budget": kw.pop("prefill_budget", None),
         "scheduling": kw.pop("scheduling", None),
         "aging_s": kw.pop("aging_s", None),
         "max_tokens_cap": kw.pop("max_tokens_cap", None),
         "num_threads": kw.pop("threads", None),
     }
     try:
+        if overrides["client_weights"]:
+            overrides["client_weights"] = parse_weights(overrides["client_weights"])
         return EngineConfig.from_env(**overrides)
     except ValueError as e:
         raise click.UsageError(str(e)) from e

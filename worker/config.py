@@ -13,7 +13,8 @@ from typing import Literal
 
 from worker.limits import QUEUE_DEFAULT_MAX_TOKENS
 
-Policy = Literal["fcfs", "priority"]
+Policy = Literal["fcfs", "priority", "fair"]
+PrefillMix = Literal["decode-first", "prefill-first", "chunked"]
 Scheduling = Literal["continuous", "static"]
 
 # The KV cache's size when neither num_kv_blocks nor kv_cache_bytes is given.
@@ -43,6 +44,16 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     policy: Policy = "fcfs"
+    # policy "fair": each client's share of service is in proportion to its weight
+    # (unlisted clients weigh 1); at most `client_max_running` sequences per client.
+    client_weights: tuple[tuple[str, float], ...] = ()
+    client_max_running: int | None = None
+    # How a step mixes prefill and decode work: decode-first (running requests catch
+    # up first, new prompts take what budget is left), prefill-first (new prompts are
+    # admitted first: lower TTFT, longer gaps between tokens), chunked (decode first,
+    # and new prompt tokens take at most `prefill_budget` tokens of each step).
+    prefill_mix: PrefillMix = "decode-first"
+    prefill_budget: int = 256
     scheduling: Scheduling = "continuous"
     # Priority aging: waiting `aging_s` seconds is worth one priority level, so low
     # priority work cannot starve forever. 0 disables aging.
@@ -77,8 +88,20 @@ class EngineConfig:
             bad("give num_kv_blocks or kv_cache_bytes, not both")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.policy not in ("fcfs", "priority"):
-            bad(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "fair"):
+            bad(f"policy must be 'fcfs', 'priority' or 'fair', got {self.policy!r}")
+        for name, weight in self.client_weights:
+            if not isinstance(weight, (int, float)) or not weight > 0:
+                bad(f"the weight of client {name!r} must be a positive number, got {weight!r}")
+        if self.client_max_running is not None and self.client_max_running < 1:
+            bad(f"client_max_running must be positive, got {self.client_max_running}")
+        if self.prefill_mix not in ("decode-first", "prefill-first", "chunked"):
+            bad(
+                "prefill_mix must be 'decode-first', 'prefill-first' or 'chunked', "
+                f"got {self.prefill_mix!r}"
+            )
+        if self.prefill_budget < 1:
+            bad(f"prefill_budget must be positive, got {self.prefill_budget}")
         if self.scheduling not in ("continuous", "static"):
             bad(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.aging_s < 0:
@@ -121,6 +144,23 @@ def parse_size(text: str) -> int:
     return int(value * mult)
 
 
+def parse_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """'search=3,batch=1' -> (('search', 3.0), ('batch', 1.0)); a name alone weighs 1."""
+    out: list[tuple[str, float]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, _, weight = part.partition("=")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"not a weight: {part!r} (use name=weight, e.g. search=3)") from None
+        if not name.strip():
+            raise ValueError(f"a client needs a name: {part!r}")
+        out.append((name.strip(), value))
+    return tuple(out)
+
+
 def _bool(raw: str) -> bool:
     v = raw.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -142,6 +182,10 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "kv_cache_bytes": parse_size,
     "enable_prefix_caching": _bool,
     "policy": str,
+    "client_weights": parse_weights,
+    "client_max_running": int,
+    "prefill_mix": str,
+    "prefill_budget": int,
     "scheduling": str,
     "aging_s": float,
     "max_tokens_cap": int,

@@ -278,6 +278,7 @@ class Request:
         "all_token_ids",
         "arrival_time",
         "block_hashes",
+        "client",
         "deadline",
         "eos_token_ids",
         "num_cached_tokens",
@@ -301,6 +302,7 @@ class Request:
         priority: int = 0,
         deadline: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        client: str = "default",
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -310,6 +312,7 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.client = client  # the producer service it is accounted to (fair sharing)
         self.deadline = deadline
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING

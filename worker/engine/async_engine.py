@@ -40,6 +40,7 @@ class Add:
     arrival_time: float | None
     priority: int
     deadline: float | None
+    client: str = "default"
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class StepDriver:
                         arrival_time=cmd.arrival_time,
                         priority=cmd.priority,
                         deadline=cmd.deadline,
+                        client=cmd.client,
                     )
                 except ValueError as e:
                     outputs.append(
@@ -225,6 +227,7 @@ class EngineFront(abc.ABC):
         arrival_time: float | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        client: str = "default",
     ) -> RequestStream:
         """Submit a request; it joins the batch at the next step boundary.
 
@@ -242,7 +245,15 @@ class EngineFront(abc.ABC):
         self._pending_tokens += len(prompt_token_ids)
         self._pending += 1
         self._send(
-            Add(request_id, list(prompt_token_ids), params, arrival_time, priority, deadline)
+            Add(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                arrival_time,
+                priority,
+                deadline,
+                client,
+            )
         )
         return stream
 

@@ -88,8 +88,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        client: str = "default",
     ) -> Request:
-        """Queue a tokenized request; ValueError (nothing queued) if it cannot be served."""
+        """Queue a tokenized request; ValueError (nothing queued) if it cannot be served.
+        `client` is who it is accounted to (the fair policy shares service by client)."""
         self.validate(prompt_token_ids, params)
         req = Request(
             request_id,
@@ -99,6 +101,7 @@ class LLMEngine:
             priority=priority,
             deadline=deadline,
             eos_token_ids=self.info.eos_token_ids,
+            client=client,
         )
         self.scheduler.add_request(req)
         self.output_processor.add(req)

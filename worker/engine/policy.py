@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from worker.config import EngineConfig
 from worker.request import Request
 
 
@@ -29,6 +30,12 @@ class Policy(Protocol):
 
     def victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when KV blocks run out."""
+
+    def served(self, req: Request, prefill_tokens: int, decode_tokens: int) -> None:
+        """The tokens computed for `req` in a step (for policies that share by service)."""
+
+    def left(self, req: Request) -> None:
+        """`req` left the running batch (finished or preempted)."""
 
     def __len__(self) -> int: ...
 
@@ -62,6 +69,12 @@ class FCFSPolicy:
 
     def victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (r.arrival_time, r.seq))
+
+    def served(self, req: Request, prefill_tokens: int, decode_tokens: int) -> None:
+        pass
+
+    def left(self, req: Request) -> None:
+        pass
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -123,6 +136,12 @@ class PriorityPolicy:
     def victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=self.key)
 
+    def served(self, req: Request, prefill_tokens: int, decode_tokens: int) -> None:
+        pass
+
+    def left(self, req: Request) -> None:
+        pass
+
     def __len__(self) -> int:
         return self._len
 
@@ -130,9 +149,18 @@ class PriorityPolicy:
         return (e[2] for e in sorted(self._heap) if id(e[2]) not in self._removed)
 
 
-def make_policy(name: str, aging_s: float) -> Policy:
-    if name == "fcfs":
+def make_policy(config: EngineConfig) -> Policy:
+    """The policy `config.policy` names: fcfs, priority, or fair (between clients)."""
+    if config.policy == "fcfs":
         return FCFSPolicy()
-    if name == "priority":
-        return PriorityPolicy(aging_s)
-    raise ValueError(f"unknown policy {name!r}; choose fcfs or priority")
+    if config.policy == "priority":
+        return PriorityPolicy(config.aging_s)
+    if config.policy == "fair":
+        from worker.engine.fairness import FairPolicy
+
+        return FairPolicy(
+            dict(config.client_weights),
+            aging_s=config.aging_s,
+            max_running=config.client_max_running,
+        )
+    raise ValueError(f"unknown policy {config.policy!r}; choose fcfs, priority or fair")

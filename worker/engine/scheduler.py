@@ -18,8 +18,16 @@ schedule(), once per step:
      budget and sequence slots remain. Admission is a memory decision: a request joins
      only if blocks for its next chunk can be had (prefix-cache hits count as computed).
      The head of the queue not fitting stops admission for this step.
+The mix of prefill and decode is a knob (`prefill_mix`): decode-first is the order
+above; chunked caps the prompt tokens of a step at `prefill_budget`, so a long prompt
+never stretches the gap between two tokens of the running requests; prefill-first
+admits first, and the running requests' decodes sit out every step that admits one
+(lower time to first token, longer gaps between tokens).
 update(), after the forward pass: computed counts advance, sampled tokens are appended,
-stop conditions checked; finished requests leave at once and free their blocks.
+stop conditions checked; finished requests leave at once and free their blocks. The
+tokens computed for each request are reported to the policy (fair sharing counts them).
+Who waits in front and who is preempted is the policy's (worker/engine/policy.py,
+worker/engine/fairness.py), never the mechanism's.
 
 `static` scheduling (for comparison only): a batch is admitted only when the previous
 one has fully finished, with KV reserved for each member's whole output.
@@ -31,6 +39,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
 from worker.engine.kv_cache import KVCacheManager, cdiv
@@ -43,6 +52,29 @@ from worker.engine.outputs import (
 from worker.engine.policy import make_policy
 from worker.limits import check_prompt_fits
 from worker.request import Request, RequestStatus
+
+
+@dataclass
+class _Step:
+    """What one schedule() has handed out so far."""
+
+    budget: int  # tokens left in this step
+    prefill_left: int | None  # prompt tokens left (prefill_mix "chunked"), else None
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    def take(self, s: ScheduledRequest) -> None:
+        self.scheduled[s.request_id] = s
+        self.budget -= s.num_new_tokens
+        if self.prefill_left is not None and not s.is_decode:
+            self.prefill_left -= s.num_new_tokens
+
+    def give_back(self, request_id: str) -> None:
+        undone = self.scheduled.pop(request_id, None)
+        if undone is not None:
+            self.budget += undone.num_new_tokens
+            if self.prefill_left is not None and not undone.is_decode:
+                self.prefill_left += undone.num_new_tokens
 
 
 class Scheduler:
@@ -58,7 +90,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence can never hold more tokens than the whole cache.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
-        self.policy = make_policy(config.policy, config.aging_s)
+        self.policy = make_policy(config)
         self.running: list[Request] = []
         # Running requests that sit this step out (set by the engine's test hooks only).
         self.held: frozenset[str] = frozenset()
@@ -113,69 +145,25 @@ class Scheduler:
         now = self.clock()
         self.step_count += 1
         finished = self._expire_deadlines(now)
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
-        preempted: list[str] = []
+        mix = self.config.prefill_mix
+        step = _Step(
+            budget=self.config.max_num_batched_tokens,
+            prefill_left=self.config.prefill_budget if mix == "chunked" else None,
+        )
         static = self.config.scheduling == "static"
-
-        # 1. Running requests catch up first.
-        for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in self.held:
-                continue
-            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.policy.victim(self.running)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_new_tokens
-                if victim is req:
-                    break
+        may_admit = not static or not self.running
+        if mix == "prefill-first" and may_admit:
+            # New prompts first; decodes sit out the steps that admit any.
+            if self._admit(step, now):
+                self._catch_up(step, decodes=False)
             else:
-                scheduled[req.request_id] = self._scheduled(req, n)
-                budget -= n
+                self._catch_up(step)
+        else:
+            self._catch_up(step)
+            if not step.preempted and may_admit:
+                self._admit(step, now)
 
-        # 2. Admit waiting requests (continuous: whenever there is room; static: only
-        # into an empty batch).
-        if not preempted and (not static or not self.running):
-            reserved = 0
-            while len(self.running) < self.config.max_num_seqs:
-                head = self.policy.peek()
-                if head is None or (budget == 0 and not static):
-                    break
-                req = head
-                if static:
-                    # Request-level batching reserves KV for the whole output up front.
-                    need = cdiv(
-                        min(
-                            req.num_prompt_tokens + req.sampling_params.max_tokens,
-                            self.max_model_len,
-                        ),
-                        self.config.block_size,
-                    )
-                    if reserved + need > self.kv.num_free_blocks:
-                        break
-                hits, num_hit = self.kv.get_computed_blocks(req)
-                n = self._chunk(req, req.num_tokens - num_hit, budget)
-                if not self.kv.allocate_slots(req, n, hits):
-                    break
-                if static:
-                    reserved += need - cdiv(num_hit + n, self.config.block_size)
-                self.policy.pop()
-                self.kv.count_prefix_query(req.num_tokens, num_hit)
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                if req.timing.first_scheduled is None:
-                    req.timing.first_scheduled = now
-                self.running.append(req)
-                if n > 0:
-                    scheduled[req.request_id] = self._scheduled(req, n)
-                    budget -= n
-
-        items = list(scheduled.values())
+        items = list(step.scheduled.values())
         num_decode = sum(1 for s in items if s.is_decode)
         total = sum(s.num_new_tokens for s in items)
         return SchedulerOutput(
@@ -183,9 +171,73 @@ class Scheduler:
             scheduled=items,
             num_prefill_tokens=total - num_decode,
             num_decode_tokens=num_decode,
-            preempted_ids=preempted,
+            preempted_ids=step.preempted,
             finished=finished,
         )
+
+    def _catch_up(self, step: _Step, decodes: bool = True) -> None:
+        """Step 1: running requests take what they need to catch up, in admission order;
+        the policy's victim is preempted when KV blocks run out."""
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or step.budget == 0:
+                continue
+            if req.request_id in self.held or req.request_id in step.scheduled:
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1 and not decodes:
+                continue
+            n = self._chunk(req, remaining, step)
+            if n == 0:
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.policy.victim(self.running)
+                self._preempt(victim)
+                step.preempted.append(victim.request_id)
+                step.give_back(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                step.take(self._scheduled(req, n))
+
+    def _admit(self, step: _Step, now: float) -> bool:
+        """Step 2: waiting requests join in policy order while a sequence slot, the
+        budget and KV blocks for their next chunk allow (static scheduling: a whole batch
+        into an empty one, with KV reserved for each member's whole output). True if any
+        joined."""
+        static = self.config.scheduling == "static"
+        reserved = 0
+        admitted = False
+        while len(self.running) < self.config.max_num_seqs:
+            req = self.policy.peek()
+            if req is None or (step.budget == 0 and not static) or step.prefill_left == 0:
+                break
+            if static:
+                # Request-level batching reserves KV for the whole output up front.
+                need = cdiv(
+                    min(req.num_prompt_tokens + req.sampling_params.max_tokens, self.max_model_len),
+                    self.config.block_size,
+                )
+                if reserved + need > self.kv.num_free_blocks:
+                    break
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = self._chunk(req, req.num_tokens - num_hit, step)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            if static:
+                reserved += need - cdiv(num_hit + n, self.config.block_size)
+            self.policy.pop()
+            self.kv.count_prefix_query(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.timing.first_scheduled is None:
+                req.timing.first_scheduled = now
+            self.running.append(req)
+            admitted = True
+            if n > 0:
+                step.take(self._scheduled(req, n))
+        return admitted
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed counts, append sampled tokens, end what has finished."""
@@ -196,6 +248,10 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if s.is_decode:
+                self.policy.served(req, 0, 1)
+            else:
+                self.policy.served(req, s.num_new_tokens, 0)
             token = result.sampled.get(s.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -220,11 +276,13 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _chunk(self, req: Request, remaining: int, budget: int) -> int:
-        n = min(remaining, budget)
+    def _chunk(self, req: Request, remaining: int, step: _Step) -> int:
+        n = min(remaining, step.budget)
         cap = self.config.long_prefill_token_threshold
         if cap and n > 1:
             n = min(n, cap)
+        if remaining > 1 and step.prefill_left is not None:
+            n = min(n, step.prefill_left)  # chunked: prompt tokens share a budget per step
         return n
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
@@ -253,6 +311,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.policy.left(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -265,6 +324,7 @@ class Scheduler:
     ) -> EngineCoreOutput:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self.policy.left(req)
         else:
             self.policy.remove(req)
         self.kv.free(req)

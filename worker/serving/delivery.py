@@ -174,6 +174,7 @@ class Delivery:
                 arrival_time=origin.received_at,
                 priority=built.priority,
                 deadline=built.deadline,
+                client=req.client,
             )
             admitted()
             final, logprobs = await self._stream(req, to, stream, built)

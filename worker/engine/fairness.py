@@ -1,0 +1,122 @@
+"""Fair share between clients by service received: the Virtual Token Counter policy.
+
+Each client (the producer service a request is accounted to) has a counter of the
+service it received: the tokens the engine computed for it, prefill tokens weighing 1
+and decode tokens 2 (VTC's defaults), divided by the client's weight. When a sequence
+slot frees, the waiting client with the lowest counter is admitted first; within a
+client, requests keep their order (priority with aging, then arrival), and deadlines
+work as before. A client that had nothing waiting has its counter lifted to the lowest
+counter among the clients that are waiting, so idle time is not banked as credit.
+The policy is work-conserving: a client alone gets every slot.
+
+Reference: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024).
+Optionally a client may hold at most `max_running` sequences at once (admission
+control); its other requests wait.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+
+from worker.engine.policy import PriorityPolicy
+from worker.request import Request
+
+PREFILL_WEIGHT = 1.0
+DECODE_WEIGHT = 2.0
+
+
+class FairPolicy:
+    """Virtual Token Counter across clients; priority with aging within a client."""
+
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        *,
+        aging_s: float = 0.0,
+        max_running: int | None = None,
+    ) -> None:
+        self.weights = dict(weights or {})
+        self.aging_s = aging_s
+        self.max_running = max_running
+        self.counters: dict[str, float] = defaultdict(float)
+        self._queues: dict[str, PriorityPolicy] = {}
+        self._running: dict[str, int] = defaultdict(int)
+
+    def weight(self, client: str) -> float:
+        return self.weights.get(client, 1.0)
+
+    # -- the waiting queue ------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        queue = self._queue(req.client)
+        if not queue:
+            # Newly backlogged: no credit for the time it had nothing waiting.
+            waiting = [self.counters[c] for c, q in self._queues.items() if q and c != req.client]
+            if waiting:
+                self.counters[req.client] = max(self.counters[req.client], min(waiting))
+        queue.add(req)
+
+    def requeue(self, req: Request) -> None:
+        self._queue(req.client).requeue(req)
+
+    def peek(self) -> Request | None:
+        client = self._next_client()
+        return None if client is None else self._queues[client].peek()
+
+    def pop(self) -> Request:
+        client = self._next_client()
+        assert client is not None, "pop from an empty policy"
+        self._running[client] += 1
+        return self._queues[client].pop()
+
+    def remove(self, req: Request) -> bool:
+        queue = self._queues.get(req.client)
+        return queue is not None and queue.remove(req)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __iter__(self) -> Iterator[Request]:
+        for q in self._queues.values():
+            yield from q
+
+    # -- what the scheduler reports -------------------------------------------------------------
+
+    def served(self, req: Request, prefill_tokens: int, decode_tokens: int) -> None:
+        """Charge the tokens computed for `req` this step to its client."""
+        cost = PREFILL_WEIGHT * prefill_tokens + DECODE_WEIGHT * decode_tokens
+        self.counters[req.client] += cost / self.weight(req.client)
+
+    def left(self, req: Request) -> None:
+        """`req` left the running batch (finished or preempted)."""
+        self._running[req.client] -= 1
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        """Preempt from the client that received the most service; within it, the
+        request its own order puts last."""
+        client = max({r.client for r in running}, key=lambda c: self.counters[c])
+        mine = [r for r in running if r.client == client]
+        return max(mine, key=self._queue(client).key)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _queue(self, client: str) -> PriorityPolicy:
+        queue = self._queues.get(client)
+        if queue is None:
+            queue = self._queues[client] = PriorityPolicy(self.aging_s)
+        return queue
+
+    def _next_client(self) -> str | None:
+        best: tuple[float, float, int] | None = None
+        chosen = None
+        for client, queue in self._queues.items():
+            head = queue.peek()
+            if head is None:
+                continue
+            if self.max_running is not None and self._running[client] >= self.max_running:
+                continue
+            key = (self.counters[client], head.arrival_time, head.seq)
+            if best is None or key < best:
+                best, chosen = key, client
+        return chosen
