@@ -2,7 +2,8 @@
 
 Each client (the producer service a request is accounted to) has a counter of the
 service it received: the tokens the engine computed for it, prefill tokens weighing 1
-and decode tokens 2 (VTC's defaults), divided by the client's weight. When a sequence
+(charged when the request is admitted) and decode tokens 2 (as they are generated),
+VTC's defaults, divided by the client's weight. When a sequence
 slot frees, the waiting client with the lowest counter is admitted first; within a
 client, requests keep their order (priority with aging, then arrival), and deadlines
 work as before. A client that had nothing waiting has its counter lifted to the lowest
@@ -20,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
 from worker.engine.policy import PriorityPolicy
-from worker.request import Request
+from worker.request import Request, RequestStatus
 
 PREFILL_WEIGHT = 1.0
 DECODE_WEIGHT = 2.0
@@ -65,10 +66,16 @@ class FairPolicy:
         return None if client is None else self._queues[client].peek()
 
     def pop(self) -> Request:
+        """Admit the head of the least-served client, charging its prompt at once: the
+        slots of one step are shared by counters that already count this admission."""
         client = self._next_client()
         assert client is not None, "pop from an empty policy"
         self._running[client] += 1
-        return self._queues[client].pop()
+        req = self._queues[client].pop()
+        if req.status == RequestStatus.WAITING:  # a first admission, not a resumption
+            cost = PREFILL_WEIGHT * req.num_prompt_tokens
+            self.counters[client] += cost / self.weight(client)
+        return req
 
     def remove(self, req: Request) -> bool:
         queue = self._queues.get(req.client)
@@ -84,9 +91,10 @@ class FairPolicy:
     # -- what the scheduler reports -------------------------------------------------------------
 
     def served(self, req: Request, prefill_tokens: int, decode_tokens: int) -> None:
-        """Charge the tokens computed for `req` this step to its client."""
-        cost = PREFILL_WEIGHT * prefill_tokens + DECODE_WEIGHT * decode_tokens
-        self.counters[req.client] += cost / self.weight(req.client)
+        """Charge the tokens generated for `req` this step to its client (its prompt was
+        charged when it was admitted; recomputing it after a preemption is not the
+        client's doing and is not charged)."""
+        self.counters[req.client] += DECODE_WEIGHT * decode_tokens / self.weight(req.client)
 
     def left(self, req: Request) -> None:
         """`req` left the running batch (finished or preempted)."""
@@ -108,15 +116,18 @@ class FairPolicy:
         return queue
 
     def _next_client(self) -> str | None:
-        best: tuple[float, float, int] | None = None
+        """The waiting client with the lowest counter (ties: the one running fewer,
+        then the earlier head), skipping clients at their running cap."""
+        best: tuple[float, int, float, int] | None = None
         chosen = None
         for client, queue in self._queues.items():
             head = queue.peek()
             if head is None:
                 continue
-            if self.max_running is not None and self._running[client] >= self.max_running:
+            running = self._running[client]
+            if self.max_running is not None and running >= self.max_running:
                 continue
-            key = (self.counters[client], head.arrival_time, head.seq)
+            key = (self.counters[client], running, head.arrival_time, head.seq)
             if best is None or key < best:
                 best, chosen = key, client
         return chosen
