@@ -35,15 +35,21 @@ class FakeMessage:
     events: list[tuple[str, int]]
     redelivered: bool = False
     headers: dict[str, Any] = field(default_factory=dict)
+    on_settle: Any = None  # the fake broker's hook
+
+    def _settle(self, event: str) -> None:
+        self.events.append((event, self.tag))
+        if self.on_settle is not None:
+            self.on_settle()
 
     async def ack(self) -> None:
-        self.events.append(("ack", self.tag))
+        self._settle("ack")
 
     async def nack(self, requeue: bool = True) -> None:
-        self.events.append(("requeue" if requeue else "nack", self.tag))
+        self._settle("requeue" if requeue else "nack")
 
     async def reject(self, requeue: bool = False) -> None:
-        self.events.append(("dead-letter", self.tag))
+        self._settle("dead-letter")
 
 
 @dataclass
@@ -132,37 +138,86 @@ def cap(running: int = 0, waiting: int = 0, free_blocks: int = 100, waiting_toke
     )
 
 
-def test_flow_control_counts_held_messages_and_kv_room() -> None:
+def test_flow_control_keeps_kv_room_for_the_waiting_prompts_and_a_reserve() -> None:
     flow = FlowControl(max_held=6, reserve_blocks=4)
-    assert flow.can_pull(cap(), held=0, admitting=0)
-    assert not flow.can_pull(cap(running=4, waiting=2), held=0, admitting=0)
-    assert not flow.can_pull(cap(running=4), held=0, admitting=2)
-    # finished requests still being settled hold their messages
-    assert not flow.can_pull(cap(), held=6, admitting=0)
-    # KV room for the waiting prompts plus the reserve
-    assert not flow.can_pull(cap(free_blocks=5, waiting_tokens=17), held=1, admitting=0)
-    assert flow.can_pull(cap(free_blocks=5, waiting_tokens=16), held=1, admitting=0)
+    assert flow.has_room(cap())
+    assert not flow.has_room(cap(free_blocks=5, waiting_tokens=17))  # 80 - 17 < 64
+    assert flow.has_room(cap(free_blocks=5, waiting_tokens=16))
 
 
 class FakeQueue:
-    def __init__(self, messages: list[FakeMessage]) -> None:
+    """A queue as the broker serves it: a consumer gets at most `prefetch` messages
+    unsettled (acked, nacked or rejected) at a time; basic.get takes one."""
+
+    def __init__(self, messages: list[FakeMessage], prefetch: int) -> None:
         self.messages = messages
-        self.gets = 0
+        self.prefetch = prefetch
+        self.unsettled = 0
+        self.consumers: dict[str, asyncio.Task[None]] = {}
+        self.deliveries: set[asyncio.Task[None]] = set()
+        self.room = asyncio.Event()
+        for m in messages:
+            m.on_settle = self._settled
+
+    def _settled(self) -> None:
+        self.unsettled -= 1
+        self.room.set()
+
+    async def consume(self, callback: Any, no_ack: bool = False) -> str:
+        async def push() -> None:
+            while True:
+                while self.messages and self.unsettled < self.prefetch:
+                    self.unsettled += 1
+                    task = asyncio.create_task(callback(self.messages.pop(0)))
+                    self.deliveries.add(task)
+                    task.add_done_callback(self.deliveries.discard)
+                self.room.clear()
+                await self.room.wait()
+
+        tag = f"ctag-{len(self.consumers)}"
+        self.consumers[tag] = asyncio.create_task(push())
+        return tag
+
+    async def cancel(self, tag: str) -> None:
+        self.consumers.pop(tag).cancel()
 
     async def get(self, **_: Any) -> FakeMessage | None:
-        self.gets += 1
-        return self.messages.pop(0) if self.messages else None
+        if not self.messages:
+            return None
+        self.unsettled += 1
+        return self.messages.pop(0)
 
 
 class FakeEngine:
+    def __init__(self) -> None:
+        self.cap = cap()
+
     def capacity(self) -> Capacity:
-        return cap()
+        return self.cap
 
 
-async def test_intake_never_holds_more_than_its_limit_and_counts_until_settled() -> None:
+def intake_for(
+    queue: FakeQueue, engine: FakeEngine, drain: DrainState, events: list[Any], deliver: Any
+) -> Intake:
+    return Intake(
+        queue,  # type: ignore[arg-type]
+        engine,  # type: ignore[arg-type]
+        FlowControl(max_held=queue.prefetch, reserve_blocks=1),
+        drain,
+        settlement(events),
+        Metrics("w", "m"),
+        deliver,
+        poll_max_s=0.01,
+        burst=True,
+    )
+
+
+async def test_intake_holds_each_message_until_settled_and_stops_consuming_without_kv_room() -> (
+    None
+):
     events: list[Any] = []
-    messages = [FakeMessage(i, events) for i in range(10)]
-    queue = FakeQueue(list(messages))
+    queue = FakeQueue([FakeMessage(i, events) for i in range(10)], prefetch=3)
+    engine = FakeEngine()
     release = asyncio.Event()
     most_held = 0
 
@@ -174,53 +229,48 @@ async def test_intake_never_holds_more_than_its_limit_and_counts_until_settled()
 
     drain = DrainState()
     drain.resume()
-    intake = Intake(
-        queue,  # type: ignore[arg-type]
-        FakeEngine(),  # type: ignore[arg-type]
-        FlowControl(max_held=3, reserve_blocks=0),
-        drain,
-        settlement(events),
-        Metrics("w", "m"),
-        deliver,
-        poll_max_s=0.01,
-        burst=True,
-    )
+    intake = intake_for(queue, engine, drain, events, deliver)
     run = asyncio.create_task(intake.run())
     while intake.held < 3:
         await asyncio.sleep(0)
-    for _ in range(20):  # it does not pull a fourth while three are unsettled
+    for _ in range(20):  # the window is full: nothing more arrives
         await asyncio.sleep(0)
     assert intake.held == 3 and len(queue.messages) == 7
+    engine.cap = cap(free_blocks=0)  # no KV room: the consumer is cancelled
+    intake.capacity_changed()
+    while queue.consumers:
+        await asyncio.sleep(0)
     release.set()
+    while intake.held:
+        await asyncio.sleep(0)
+    assert len(queue.messages) == 7, "it consumed without KV room"
+    engine.cap = cap()
+    intake.capacity_changed()
     await asyncio.wait_for(run, 10)  # burst: ends once the queue is empty and all settled
     assert intake.pulled == 10 and intake.held == 0 and most_held <= 3
     assert sorted(tag for what, tag in events if what == "ack") == list(range(10))
 
 
-async def test_intake_gives_back_a_message_pulled_as_a_drain_began() -> None:
+async def test_intake_gives_back_a_message_delivered_as_a_drain_began() -> None:
     events: list[Any] = []
     drain = DrainState()
     drain.resume()
     delivered: list[Any] = []
 
     class PausingQueue(FakeQueue):
-        async def get(self, **kw: Any) -> FakeMessage | None:
-            drain.pause()  # the drain comes while this pull is in flight
-            return await super().get(**kw)
+        async def consume(self, callback: Any, no_ack: bool = False) -> str:
+            async def late(message: Any) -> None:
+                drain.pause()  # the drain comes while this delivery is on its way
+                await callback(message)
+
+            return await super().consume(late, no_ack)
 
     async def deliver(message: Any, admitted: Any) -> None:
         delivered.append(message)
 
-    intake = Intake(
-        PausingQueue([FakeMessage(1, events)]),  # type: ignore[arg-type]
-        FakeEngine(),  # type: ignore[arg-type]
-        FlowControl(max_held=3, reserve_blocks=0),
-        drain,
-        settlement(events),
-        Metrics("w", "m"),
-        deliver,
-        poll_max_s=0.01,
-    )
+    queue = PausingQueue([FakeMessage(1, events)], prefetch=3)
+    intake = intake_for(queue, FakeEngine(), drain, events, deliver)
+    intake.burst = False
     run = asyncio.create_task(intake.run())
 
     async def settled() -> None:

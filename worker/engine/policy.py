@@ -11,7 +11,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from worker.config import EngineConfig
 from worker.request import Request
 
 
@@ -147,20 +146,3 @@ class PriorityPolicy:
 
     def __iter__(self) -> Iterator[Request]:
         return (e[2] for e in sorted(self._heap) if id(e[2]) not in self._removed)
-
-
-def make_policy(config: EngineConfig) -> Policy:
-    """The policy `config.policy` names: fcfs, priority, or fair (between clients)."""
-    if config.policy == "fcfs":
-        return FCFSPolicy()
-    if config.policy == "priority":
-        return PriorityPolicy(config.aging_s)
-    if config.policy == "fair":
-        from worker.engine.fairness import FairPolicy
-
-        return FairPolicy(
-            dict(config.client_weights),
-            aging_s=config.aging_s,
-            max_running=config.client_max_running,
-        )
-    raise ValueError(f"unknown policy {config.policy!r}; choose fcfs, priority or fair")

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
+from worker.engine.fairness import FairPolicy
 from worker.engine.kv_cache import KVCacheManager, cdiv
 from worker.engine.outputs import (
     EngineCoreOutput,
@@ -49,9 +50,24 @@ from worker.engine.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from worker.engine.policy import make_policy
+from worker.engine.policy import FCFSPolicy, Policy, PriorityPolicy
 from worker.limits import check_prompt_fits
 from worker.request import Request, RequestStatus
+
+
+def make_policy(config: EngineConfig) -> Policy:
+    """The policy `config.policy` names: fcfs, priority, or fair (between clients)."""
+    if config.policy == "fcfs":
+        return FCFSPolicy()
+    if config.policy == "priority":
+        return PriorityPolicy(config.aging_s)
+    if config.policy == "fair":
+        return FairPolicy(
+            dict(config.client_weights),
+            aging_s=config.aging_s,
+            max_running=config.client_max_running,
+        )
+    raise ValueError(f"unknown policy {config.policy!r}; choose fcfs, priority or fair")
 
 
 @dataclass
