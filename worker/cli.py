@@ -229,6 +229,20 @@ def run_batch(
     "(default 1500, below RabbitMQ's consumer_timeout of 1800; raise both together).",
 )
 @click.option(
+    "--client-max-queued-tokens",
+    type=int,
+    default=None,
+    help="Fair mode: take no more of a client's requests while this many of its prompt "
+    "tokens wait in the worker.",
+)
+@click.option(
+    "--max-queue-delay",
+    "max_queue_delay_s",
+    type=float,
+    default=None,
+    help="Answer 'expired' instead of running a request that waited longer (seconds).",
+)
+@click.option(
     "--delivery-limit",
     type=int,
     default=None,

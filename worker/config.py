@@ -215,6 +215,12 @@ class ServiceConfig:
     # (30 min by default, node-wide on 3.10) and redelivers everything on it: a request
     # runs at most this long, then ends with finish reason 'deadline'.
     max_request_s: float = 1500.0
+    # Admission control. Fair mode (engine policy 'fair'): a client with this many
+    # prompt tokens waiting in a worker is not taken from until they shrink. Any mode:
+    # a request that waited longer than `max_queue_delay_s` since it was enqueued is
+    # answered 'expired' instead of being run late.
+    client_max_queued_tokens: int | None = None
+    max_queue_delay_s: float | None = None
     heartbeat_s: float = 2.0
     poll_max_s: float = 0.05  # longest pause between pulls while the queue is empty
     metrics_port: int | None = None
@@ -233,6 +239,10 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.queue:
             raise ValueError("queue must be a non-empty name")
+        for name in ("client_max_queued_tokens", "max_queue_delay_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be a TCP port, got {self.metrics_port}")
 
@@ -264,6 +274,8 @@ _SERVICE_ENV: dict[str, Callable[[str], object]] = {
     "delivery_limit": int,
     "drain_timeout_s": float,
     "max_request_s": float,
+    "client_max_queued_tokens": int,
+    "max_queue_delay_s": float,
     "heartbeat_s": float,
     "metrics_port": int,
     "metrics_host": str,

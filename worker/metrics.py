@@ -8,14 +8,16 @@ belongs to the Metrics object (no process-global state), served by `serve()`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from broker.messages import DEFAULT_CLIENT
 from worker.engine.outputs import RequestOutput, StepStats
+from worker.serving.lanes import metric_label
 
 # Latency buckets (seconds) wide enough for CPU and GPU workers alike.
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -59,6 +61,11 @@ METRIC_NAMES = (
     "kvflow_ledger_write_errors",
     "kvflow_ledger_pending_writes",
     "kvflow_worker_state",
+    "kvflow_client_service_tokens",
+    "kvflow_client_requests",
+    "kvflow_client_queue_time_seconds",
+    "kvflow_client_time_to_first_token_seconds",
+    "kvflow_client_queued_tokens",
 )
 
 
@@ -76,9 +83,18 @@ class MessageEvent(enum.StrEnum):
 class Metrics:
     """The worker's metrics; update methods are cheap and called from the event loop."""
 
-    def __init__(self, worker: str, model: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        worker: str,
+        model: str,
+        registry: CollectorRegistry | None = None,
+        clients: Iterable[str] = (),
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"worker": worker, "model": model}
+        # Per-client series are labelled with the configured client names (the default
+        # client too); every other client is `other`, so the label's values stay few.
+        self.clients = frozenset(clients)
         r, names = self.registry, ("worker", "model")
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -171,6 +187,39 @@ class Metrics:
             ("worker", "model", "state"),
             registry=r,
         )
+        per_client = (*names, "client")
+        self._client_service = Counter(
+            "kvflow_client_service_tokens",
+            "Service received per client: tokens computed, by kind (prefill, decode).",
+            (*per_client, "kind"),
+            registry=r,
+        )
+        self._client_requests = Counter(
+            "kvflow_client_requests",
+            "Requests per client by how they ended (their ledger status).",
+            (*per_client, "status"),
+            registry=r,
+        )
+        self._client_queue = Histogram(
+            "kvflow_client_queue_time_seconds",
+            "Enqueue to first scheduled, per client.",
+            per_client,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self._client_ttft = Histogram(
+            "kvflow_client_time_to_first_token_seconds",
+            "Enqueue to first token, per client.",
+            per_client,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self._client_queued_tokens = Gauge(
+            "kvflow_client_queued_tokens",
+            "Prompt tokens of a client waiting in this worker (fair mode's admission control).",
+            per_client,
+            registry=r,
+        )
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
 
     # -- updates -------------------------------------------------------------------------
@@ -194,9 +243,32 @@ class Metrics:
                 metric.inc(total - self._totals[key])
                 self._totals[key] = total
 
-    def on_finished(self, out: RequestOutput, timing: Mapping[str, Any]) -> None:
+    def client_label(self, client: str | None) -> str:
+        return metric_label(client or DEFAULT_CLIENT, self.clients)
+
+    def on_recorded(self, client: str | None, status: str) -> None:
+        """A request's final ledger row was written."""
+        self._client_requests.labels(
+            **self.labels, client=self.client_label(client), status=status
+        ).inc()
+
+    def set_queued_tokens(self, client: str, tokens: int) -> None:
+        self._client_queued_tokens.labels(**self.labels, client=self.client_label(client)).set(
+            tokens
+        )
+
+    def on_finished(
+        self, out: RequestOutput, timing: Mapping[str, Any], client: str | None = None
+    ) -> None:
         """A request the engine ran has ended; `timing` is its contract timing map
         (queue delay, TTFT and end to end count from the producer's enqueue time)."""
+        label = {**self.labels, "client": self.client_label(client)}
+        self._client_service.labels(**label, kind="prefill").inc(out.num_prompt_tokens)
+        self._client_service.labels(**label, kind="decode").inc(len(out.token_ids))
+        if timing.get("queue_s") is not None:
+            self._client_queue.labels(**label).observe(timing["queue_s"])
+        if timing.get("ttft_s") is not None:
+            self._client_ttft.labels(**label).observe(timing["ttft_s"])
         reason = str(out.finish_reason) if out.finish_reason is not None else "error"
         self._success.labels(**self.labels, finished_reason=reason).inc()
         self.prompt_tokens.inc(out.num_prompt_tokens)

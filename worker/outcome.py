@@ -26,6 +26,13 @@ def returned_text(deliveries: int) -> str:
     )
 
 
+def queue_delay_text(waited_s: float, limit_s: float) -> str:
+    return (
+        f"the request waited {waited_s:.1f} s in the queue, over this worker's limit of "
+        f"{limit_s:g} s (--max-queue-delay): it is not run late"
+    )
+
+
 def crashed_alone_text(crashes: int) -> str:
     return (
         f"the engine process died while running this request alone (it was part of "
@@ -66,8 +73,8 @@ class Outcome:
         return cls.error_of(ErrorCode.CANCELLED, CANCELLED_TEXT)
 
     @classmethod
-    def expired(cls) -> Outcome:
-        return cls.error_of(ErrorCode.EXPIRED, EXPIRED_TEXT)
+    def expired(cls, text: str = EXPIRED_TEXT) -> Outcome:
+        return cls.error_of(ErrorCode.EXPIRED, text)
 
     @classmethod
     def internal(cls, text: str = INTERNAL_TEXT) -> Outcome:

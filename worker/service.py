@@ -38,12 +38,17 @@ from worker.ledger import LedgerStore, WorkerRecord, WorkerState
 from worker.metrics import Metrics
 from worker.serving.delivery import Delivery
 from worker.serving.drain import DrainState, GiveBack
-from worker.serving.intake import FlowControl, Intake
+from worker.serving.intake import FlowControl, Intake, QueueIntake
 from worker.serving.isolation import Isolation
+from worker.serving.lane_intake import LaneIntake
+from worker.serving.lanes import Lanes
 from worker.serving.replies import Replier
+from worker.serving.router import Router
 from worker.serving.settlement import Settlement
 
 log = logging.getLogger(__name__)
+
+ROUTER_WINDOW = 64  # messages a worker's router holds at once (fair mode)
 
 
 def default_worker_id() -> str:
@@ -98,6 +103,7 @@ class Service:
                 engine = await ProcessEngine.launch(self.engine_config)
             self.engine = engine
             metrics = self.metrics = self._start_metrics(engine.info.model_name, ledger)
+            lanes = self._lanes()
             replier = Replier(ReplyPublisher(publish))
             settlement = Settlement(
                 ledger,
@@ -118,20 +124,25 @@ class Service:
                 default_max_tokens=cfg.default_max_tokens,
                 max_message_bytes=cfg.max_message_bytes,
                 max_request_s=cfg.max_request_s,
+                max_queue_delay_s=cfg.max_queue_delay_s,
                 isolation=Isolation(),
+                lanes=lanes,
             )
             flow = FlowControl(max_held, cfg.reserve_blocks)
-            intake = self.intake = Intake(
-                queue,
-                engine,
-                flow,
-                self.drain_state,
-                settlement,
-                metrics,
-                delivery.handle,
-                poll_max_s=cfg.poll_max_s,
-                burst=cfg.burst,
-            )
+            parts = (engine, flow, self.drain_state, settlement, metrics, delivery.handle)
+            timing = {"poll_max_s": cfg.poll_max_s, "burst": cfg.burst}
+            if lanes is not None:
+                # Fair mode: a router moves requests into the clients' lanes, the intake
+                # takes from the lanes in fair order.
+                route = await connection.channel(publisher_confirms=False)
+                await route.set_qos(prefetch_count=ROUTER_WINDOW)
+                source = await route.get_queue(declared.queue.name, ensure=False)
+                router = Router(source, publish, self.topology, lanes)
+                await router.start()
+                intake: Intake = LaneIntake(consume, lanes, *parts, **timing)
+            else:
+                intake = QueueIntake(queue, *parts, **timing)
+            self.intake = intake
             engine.add_stats_listener(self._on_step)
             engine.on_failure = self._engine_failed
             await engine.start()
@@ -175,8 +186,21 @@ class Service:
             if connection is not None:
                 await connection.close()
 
+    def _lanes(self) -> Lanes | None:
+        """Fair mode (policy 'fair'): the clients' lanes; else None (one queue)."""
+        if self.engine_config.policy != "fair":
+            return None
+        return Lanes(
+            self.config.queue,
+            dict(self.engine_config.client_weights),
+            max_queued_tokens=self.config.client_max_queued_tokens,
+            poll_max_s=self.config.poll_max_s,
+        )
+
     def _start_metrics(self, model: str, ledger: LedgerStore) -> Metrics:
-        m = Metrics(self.worker_id, model)
+        m = Metrics(
+            self.worker_id, model, clients=[c for c, _ in self.engine_config.client_weights]
+        )
         m.watch_ledger(
             lambda: ledger.pending,
             lambda: (ledger.write_latency.count, ledger.write_latency.total_s),

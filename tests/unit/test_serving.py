@@ -19,8 +19,9 @@ from worker.metrics import Metrics
 from worker.outcome import Outcome
 from worker.records import Origin, error_record
 from worker.serving.drain import DrainState, GiveBack
-from worker.serving.intake import FlowControl, Intake
+from worker.serving.intake import FlowControl, QueueIntake
 from worker.serving.isolation import Isolation
+from worker.serving.lanes import Lanes, metric_label
 from worker.serving.replies import Address, Replier, error_body
 from worker.serving.settlement import Return, Settlement
 
@@ -198,8 +199,8 @@ class FakeEngine:
 
 def intake_for(
     queue: FakeQueue, engine: FakeEngine, drain: DrainState, events: list[Any], deliver: Any
-) -> Intake:
-    return Intake(
+) -> QueueIntake:
+    return QueueIntake(
         queue,  # type: ignore[arg-type]
         engine,  # type: ignore[arg-type]
         FlowControl(max_held=queue.prefetch, reserve_blocks=1),
@@ -468,3 +469,41 @@ async def test_isolation_runs_a_suspect_alone_and_is_not_starved() -> None:
     release["b"].set()
     await asyncio.wait_for(asyncio.gather(a, s, b), 5)
     assert order == ["+a", "-a", "+s", "-s", "+b", "-b"] and not iso.alone
+
+
+# -- fair mode's lanes ---------------------------------------------------------------------
+
+
+def test_lanes_take_from_the_client_holding_least_for_its_weight() -> None:
+    lanes = Lanes("q", {"a": 1.0, "b": 3.0}, max_queued_tokens=100)
+    assert set(lanes.queues) == {"q.client.a", "q.client.b", "q.client.other"}
+    assert lanes.lane_of("stranger").client == "other"
+    for _ in range(3):
+        lanes.took("b")
+    lanes.took("a")
+    lanes.took("other")
+    lanes.took("other")
+    # held / weight: a 1, b 1, other 2: a and b tie, before other
+    assert lanes.next_lane(now=0.0).client in {"a", "b"}  # type: ignore[union-attr]
+    lanes.took("a")
+    assert lanes.next_lane(now=0.0).client == "b"  # type: ignore[union-attr]
+    lanes.queue_tokens("b", 150)  # over its queued-token limit: not taken from
+    assert lanes.next_lane(now=0.0).client == "other"  # type: ignore[union-attr]
+
+
+def test_an_empty_lane_is_looked_at_again_after_a_growing_pause_or_when_told() -> None:
+    lanes = Lanes("q", {"a": 1.0}, poll_max_s=0.05)
+    a = lanes.lane_of("a")
+    lanes.found_empty(a, now=10.0)
+    first = a.empty_until - 10.0
+    lanes.found_empty(a, now=10.0)
+    assert a.empty_until - 10.0 == 2 * first
+    assert lanes.next_lane(now=10.0).client == "other"  # type: ignore[union-attr]
+    lanes.has_messages("a")
+    assert a.empty_until == 0.0
+
+
+def test_metric_labels_stay_few() -> None:
+    assert metric_label("a", ["a", "b"]) == "a"
+    assert metric_label("default", ["a"]) == "default"
+    assert metric_label("x-" * 20, ["a"]) == "other"

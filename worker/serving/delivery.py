@@ -33,11 +33,12 @@ from worker.engine.outputs import RequestOutput
 from worker.ledger import LedgerClosed, LedgerStore, RequestSource
 from worker.metrics import MessageEvent, Metrics
 from worker.model.sampler import TokenLogprobs
-from worker.outcome import Outcome, returned_text
+from worker.outcome import Outcome, queue_delay_text, returned_text
 from worker.records import Origin, error_record, final_record, received_fields, timing_of
 from worker.request import FinishReason, InvalidInput
 from worker.serving.drain import DrainState, GiveBack
 from worker.serving.isolation import Isolation
+from worker.serving.lanes import Lanes
 from worker.serving.replies import Address, Replier, error_body, result_body
 from worker.serving.settlement import Return, Settlement
 
@@ -62,6 +63,8 @@ class Delivery:
         max_message_bytes: int,
         max_request_s: float,
         isolation: Isolation,
+        max_queue_delay_s: float | None = None,
+        lanes: Lanes | None = None,
     ) -> None:
         self.engine = engine
         self.builder = builder
@@ -76,6 +79,8 @@ class Delivery:
         self.max_message_bytes = max_message_bytes
         self.max_request_s = max_request_s
         self.isolation = isolation
+        self.max_queue_delay_s = max_queue_delay_s
+        self.lanes = lanes
 
     async def handle(
         self, message: AbstractIncomingMessage, admitted: Callable[[], None] = lambda: None
@@ -167,6 +172,7 @@ class Delivery:
                 down = GiveBack.ENGINE_DOWN if self.engine.error else GiveBack.REQUEUE
                 await self.settle.give_back(message, self._return(down, req, to, origin))
                 return
+            self._queued(req.client, len(built.prompt_token_ids))
             stream = self.engine.add_request(
                 built.request_id,
                 built.prompt_token_ids,
@@ -188,15 +194,16 @@ class Delivery:
             return
         record = final_record(req.id, final, origin, prompt_tokens=len(built.prompt_token_ids))
         timing = timing_of(final, origin.enqueued_at, origin.received_at)
-        self.metrics.on_finished(final, timing)
+        self.metrics.on_finished(final, timing, req.client)
         body = result_body(req.id, final, record, timing, self.worker_id, req.metadata, logprobs)
         await self.settle.conclude(message, to, record, body)
 
     async def _ended_before_start(
         self, message: AbstractIncomingMessage, req: RequestMessage, to: Address, origin: Origin
     ) -> bool:
-        """Cancelled by an operator, past its deadline, or on the last delivery the queue
-        allows after earlier ones that never settled: recorded, answered, settled."""
+        """Cancelled by an operator, past its deadline or the worker's queue-delay limit,
+        or on the last delivery the queue allows after earlier ones that never settled:
+        recorded, answered, settled."""
         if self.settle.last_delivery(req.delivery_count):
             count = (req.delivery_count or 0) + 1
             outcome = Outcome.internal(returned_text(count))
@@ -204,10 +211,14 @@ class Delivery:
                 message, to, error_record(req.id, outcome, origin), error_body(req.id, outcome)
             )
             return True
+        now = time.time()
+        waited = now - origin.enqueued_at if origin.enqueued_at is not None else 0.0
         if self.drain.take_cancelled(req.id):
             outcome = Outcome.cancelled()
-        elif req.deadline is not None and time.time() >= req.deadline:
+        elif req.deadline is not None and now >= req.deadline:
             outcome = Outcome.expired()
+        elif self.max_queue_delay_s is not None and waited > self.max_queue_delay_s:
+            outcome = Outcome.expired(queue_delay_text(waited, self.max_queue_delay_s))
         else:
             return False
         record = error_record(req.id, outcome, origin)
@@ -242,8 +253,12 @@ class Delivery:
         logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
         index = 0
         final: RequestOutput | None = None
+        waiting = len(built.prompt_token_ids)  # queued prompt tokens, until it starts
         try:
             async for out in stream:
+                if waiting:
+                    self._queued(req.client, -waiting)
+                    waiting = 0
                 if logprobs is not None and out.logprobs:
                     logprobs.extend(out.logprobs)
                 has_delta = bool(out.delta_text or out.delta_token_ids)
@@ -253,10 +268,18 @@ class Delivery:
                 if out.finished:
                     final = out
         finally:
+            if waiting:
+                self._queued(req.client, -waiting)
             if final is None:  # a delta could not be sent: nobody reads the stream now
                 self.engine.abort(req.id)
         assert final is not None
         return final, logprobs
+
+    def _queued(self, client: str, tokens: int) -> None:
+        """Fair mode's admission control: prompt tokens of `client` waiting here."""
+        if self.lanes is not None:
+            self.lanes.queue_tokens(client, tokens)
+            self.metrics.set_queued_tokens(client, self.lanes.queued_tokens[client])
 
     def _return(self, why: GiveBack, req: RequestMessage, to: Address, origin: Origin) -> Return:
         return Return(why, req.id, req.delivery_count, req.crashes, to, origin)

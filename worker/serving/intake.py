@@ -15,11 +15,13 @@ The intake owns what is held: one task per message, from its delivery until it i
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
@@ -47,12 +49,12 @@ class FlowControl:
         return cap.free_tokens >= self.reserve_blocks * cap.block_size
 
 
-class Intake:
-    """Pulls messages by capacity and runs `deliver(message, admitted)` for each."""
+class Intake(abc.ABC):
+    """Holds each message taken, from its delivery until it is settled, running
+    `deliver(message, admitted)` for it; subclasses decide how messages are taken."""
 
     def __init__(
         self,
-        queue: AbstractQueue,
         engine: EngineFront,
         flow: FlowControl,
         drain: DrainState,
@@ -63,7 +65,6 @@ class Intake:
         poll_max_s: float,
         burst: bool = False,
     ) -> None:
-        self.queue = queue
         self.engine = engine
         self.flow = flow
         self.drain = drain
@@ -92,6 +93,73 @@ class Intake:
         self._stopping.set()
         self._capacity_changed.set()
 
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """Take messages until stopped (burst mode: until the queue is empty and nothing
+        is held)."""
+
+    async def _delivered(
+        self, message: AbstractIncomingMessage, on_settled: Callable[[], None] | None = None
+    ) -> None:
+        # A drain began while this delivery was on its way: give the message back,
+        # unless the queue would then drop it (its last allowed delivery): that one is
+        # served.
+        draining = self.drain.paused or self._stopping.is_set()
+        if draining and not self.settlement.last_delivery(delivery_count(message.headers)):
+            await self.settlement.requeue(message, None)
+            if on_settled is not None:
+                on_settled()
+            return
+        self.pulled += 1
+        self._hold(message, on_settled)
+
+    async def _wait_for_change(self, timeout_s: float = 0.5) -> None:
+        """Until capacity may have changed, the worker is resumed, or it stops."""
+        self._capacity_changed.clear()
+        waits: list[Awaitable[object]] = [self._capacity_changed.wait(), self._stopping.wait()]
+        if self.drain.paused:
+            waits.append(self.drain.wait_resumed())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_first(*waits), timeout_s)
+
+    async def wait_settled(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for every held message to be settled; returns how many
+        are still held."""
+        if self._held:
+            await asyncio.wait(set(self._held), timeout=timeout_s)
+        return len(self._held)
+
+    def _hold(
+        self, message: AbstractIncomingMessage, on_settled: Callable[[], None] | None = None
+    ) -> None:
+        async def run() -> None:
+            try:
+                # `admitted`: the engine has the request, its capacity counts it now.
+                await self.deliver(message, self._capacity_changed.set)
+            finally:
+                if on_settled is not None:
+                    on_settled()
+
+        task = asyncio.create_task(run())
+        self._held.add(task)
+        task.add_done_callback(self._settled)
+        self.metrics.unacked.set(self.held)
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        self._held.discard(task)
+        self._capacity_changed.set()
+        self.metrics.unacked.set(self.held)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request task failed", exc_info=task.exception())
+
+
+class QueueIntake(Intake):
+    """Consumes one queue with the prefetch window, while the engine has KV room."""
+
+    def __init__(self, queue: AbstractQueue, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue = queue
+
     async def run(self) -> None:
         """Consume while resumed and the engine has room, until stopped; returns early
         in burst mode once the queue is empty and nothing is held."""
@@ -118,30 +186,11 @@ class Intake:
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, self.poll_max_s)
                     continue
-                self._capacity_changed.clear()
-                waits: list[Awaitable[object]] = [
-                    self._capacity_changed.wait(),
-                    self._stopping.wait(),
-                ]
-                if self.drain.paused:
-                    waits.append(self.drain.wait_resumed())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(*waits), 0.5)
+                await self._wait_for_change()
         finally:
             if tag is not None:
                 with contextlib.suppress(Exception):
                     await self.queue.cancel(tag)
-
-    async def _delivered(self, message: AbstractIncomingMessage) -> None:
-        # A drain began while this delivery was on its way: give the message back,
-        # unless the queue would then drop it (its last allowed delivery): that one is
-        # served.
-        draining = self.drain.paused or self._stopping.is_set()
-        if draining and not self.settlement.last_delivery(delivery_count(message.headers)):
-            await self.settlement.requeue(message, None)
-            return
-        self.pulled += 1
-        self._hold(message)
 
     async def _queue_is_empty(self) -> bool:
         """Burst mode: nothing left to take (a basic.get; what it finds is held)."""
@@ -154,30 +203,6 @@ class Intake:
             return True
         await self._delivered(message)
         return False
-
-    async def wait_settled(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for every held message to be settled; returns how many
-        are still held."""
-        if self._held:
-            await asyncio.wait(set(self._held), timeout=timeout_s)
-        return len(self._held)
-
-    def _hold(self, message: AbstractIncomingMessage) -> None:
-        async def run() -> None:
-            # `admitted`: the engine has the request, its capacity figure counts it now.
-            await self.deliver(message, self._capacity_changed.set)
-
-        task = asyncio.create_task(run())
-        self._held.add(task)
-        task.add_done_callback(self._settled)
-        self.metrics.unacked.set(self.held)
-
-    def _settled(self, task: asyncio.Task[None]) -> None:
-        self._held.discard(task)
-        self._capacity_changed.set()
-        self.metrics.unacked.set(self.held)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("request task failed", exc_info=task.exception())
 
 
 async def _first(*waits: Awaitable[object]) -> None:

@@ -112,6 +112,7 @@ class Settlement:
         without a run (expired, cancelled). `body` is the reply built from `record`; if
         the ledger keeps another delivery's outcome, that one is sent instead."""
         stored = await self.ledger.record(record)
+        self.metrics.on_recorded(record.client, record.status)
         body = self._ledger_answer(to, record, stored, body)
         await self._answer(to, body)
         await self._ack(message, to, body)
@@ -137,6 +138,7 @@ class Settlement:
         except Exception as e:  # the dead-letter queue still keeps the message
             log.error("rejected %s without a ledger row: %s", to.request_id, e)
             stored = None
+        self.metrics.on_recorded(record.client, record.status)
         if stored is not None and stored.terminal:
             body = self._ledger_answer(to, record, stored, body)
         await self._answer(to, body)
@@ -151,6 +153,7 @@ class Settlement:
         dead-lettered (it is not retried again)."""
         try:
             stored = await self.ledger.record(record)
+            self.metrics.on_recorded(record.client, record.status)
             body = self._ledger_answer(to, record, stored, body)
             await self._answer(to, body)
             await self._settle_copies(to, body)

@@ -1,0 +1,80 @@
+"""Fair mode's first hop: each request moves from the shared queue into its client's lane.
+
+A router consumes the request queue (every worker runs one: they compete, as for
+requests), reads the client of each message (the body's `client`, else the AMQP app_id,
+else "default"), publishes a copy to the client's lane with a publisher confirm, and
+only then acks the original: nothing is lost, and a copy doubled by a crash between the
+two is answered once by the ledger. It never holds more than its prefetch window, so a
+backlog waits in the lanes, in RabbitMQ. The worker's own intake is told at once that a
+lane has work (`Lanes.has_messages`); other workers find it when they look again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgpack
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+
+from broker.messages import client_of
+from broker.publisher import Requeuer
+from broker.topology import Topology
+from worker.serving.lanes import Lanes
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Moves messages from the request queue into the lanes of `lanes`."""
+
+    def __init__(
+        self,
+        source: AbstractQueue,
+        publish: AbstractChannel,
+        topology: Topology,
+        lanes: Lanes,
+    ) -> None:
+        self.source = source
+        self.publish = publish
+        self.topology = topology
+        self.lanes = lanes
+        self.routed = 0
+        self._requeuers: dict[str, Requeuer] = {}
+        self._tag: str | None = None
+
+    async def start(self) -> None:
+        """Declare every lane (idempotent: the request queue's arguments), then consume."""
+        for queue in self.lanes.queues:
+            await self.publish.declare_queue(
+                queue, durable=True, arguments=self.topology.queue_arguments()
+            )
+            self._requeuers[queue] = Requeuer(self.publish, queue)
+        self._tag = await self.source.consume(self._route, no_ack=False)
+
+    async def stop(self) -> None:
+        if self._tag is not None:
+            await self.source.cancel(self._tag)
+            self._tag = None
+
+    async def _route(self, message: AbstractIncomingMessage) -> None:
+        client = client_of(_body_client(message.body), message.app_id)
+        lane = self.lanes.lane_of(client)
+        try:
+            await self._requeuers[lane.queue].republish(message, {})
+        except Exception as e:  # not confirmed: the original stays the one copy
+            log.warning("could not route a message to %s (%r); requeued", lane.queue, e)
+            await message.nack(requeue=True)
+            return
+        await message.ack()
+        self.routed += 1
+        self.lanes.has_messages(lane.client)
+
+
+def _body_client(body: bytes) -> Any:
+    """The body's `client` field, if the body is a msgpack map that has one."""
+    try:
+        data = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    return data.get("client") if isinstance(data, dict) else None
