@@ -55,6 +55,7 @@ METRIC_NAMES = (
     "kvflow_messages_rejected",
     "kvflow_messages_requeued",
     "kvflow_messages_replayed",
+    "kvflow_messages_routed",
     "kvflow_unacked_messages",
     "kvflow_ledger_write_seconds",
     "kvflow_ledger_writes",
@@ -78,6 +79,7 @@ class MessageEvent(enum.StrEnum):
     REJECTED = "rejected"  # without requeue: dead-lettered
     REQUEUED = "requeued"
     REPLAYED = "replayed"  # answered from the ledger without running
+    ROUTED = "routed"  # fair mode: moved from the request queue into a client's lane
 
 
 class Metrics:
@@ -225,6 +227,12 @@ class Metrics:
     # -- updates -------------------------------------------------------------------------
 
     def on_step(self, s: StepStats) -> None:
+        for client, (prompt, generated) in s.client_tokens.items():
+            label = {**self.labels, "client": self.client_label(client)}
+            if prompt:
+                self._client_service.labels(**label, kind="prefill").inc(prompt)
+            if generated:
+                self._client_service.labels(**label, kind="decode").inc(generated)
         self.running.set(s.batch_size)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_usage)
@@ -263,8 +271,6 @@ class Metrics:
         """A request the engine ran has ended; `timing` is its contract timing map
         (queue delay, TTFT and end to end count from the producer's enqueue time)."""
         label = {**self.labels, "client": self.client_label(client)}
-        self._client_service.labels(**label, kind="prefill").inc(out.num_prompt_tokens)
-        self._client_service.labels(**label, kind="decode").inc(len(out.token_ids))
         if timing.get("queue_s") is not None:
             self._client_queue.labels(**label).observe(timing["queue_s"])
         if timing.get("ttft_s") is not None:

@@ -49,6 +49,7 @@ from worker.serving.settlement import Settlement
 log = logging.getLogger(__name__)
 
 ROUTER_WINDOW = 64  # messages a worker's router holds at once (fair mode)
+PULLERS = 4  # gets in flight at once from the lanes (fair mode)
 
 
 def default_worker_id() -> str:
@@ -76,6 +77,8 @@ class Service:
         self.metrics: Metrics | None = None
         self.engine: EngineFront | None = None
         self.intake: Intake | None = None
+        self.lanes: Lanes | None = None
+        self.router: Router | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -103,7 +106,7 @@ class Service:
                 engine = await ProcessEngine.launch(self.engine_config)
             self.engine = engine
             metrics = self.metrics = self._start_metrics(engine.info.model_name, ledger)
-            lanes = self._lanes()
+            lanes = self.lanes = self._lanes()
             replier = Replier(ReplyPublisher(publish))
             settlement = Settlement(
                 ledger,
@@ -128,6 +131,8 @@ class Service:
                 isolation=Isolation(),
                 lanes=lanes,
             )
+            if lanes is not None:  # a look-ahead per lane (see worker/serving/lanes.py)
+                max_held = self.engine_config.max_num_seqs + lanes.lookahead * len(lanes.lanes)
             flow = FlowControl(max_held, cfg.reserve_blocks)
             parts = (engine, flow, self.drain_state, settlement, metrics, delivery.handle)
             timing = {"poll_max_s": cfg.poll_max_s, "burst": cfg.burst}
@@ -137,9 +142,10 @@ class Service:
                 route = await connection.channel(publisher_confirms=False)
                 await route.set_qos(prefetch_count=ROUTER_WINDOW)
                 source = await route.get_queue(declared.queue.name, ensure=False)
-                router = Router(source, publish, self.topology, lanes)
+                router = self.router = Router(source, publish, self.topology, lanes, metrics)
                 await router.start()
-                intake: Intake = LaneIntake(consume, lanes, *parts, **timing)
+                pull = [await connection.channel(publisher_confirms=False) for _ in range(PULLERS)]
+                intake: Intake = LaneIntake(pull, lanes, *parts, **timing)
             else:
                 intake = QueueIntake(queue, *parts, **timing)
             self.intake = intake
@@ -194,6 +200,8 @@ class Service:
             self.config.queue,
             dict(self.engine_config.client_weights),
             max_queued_tokens=self.config.client_max_queued_tokens,
+            # per lane: the look-ahead, plus the gets that may be on their way
+            lookahead=self.config.lookahead + PULLERS,
             poll_max_s=self.config.poll_max_s,
         )
 
@@ -257,6 +265,9 @@ class Service:
         )
         if self.intake is not None:
             self.intake.capacity_changed()
+        if self.lanes is not None:
+            self.lanes.served(stats.client_tokens)
+            self.lanes.engine_step(stats.client_waiting)
         if self.metrics is not None:
             self.metrics.on_step(stats)
 
@@ -351,6 +362,7 @@ class Service:
             tokens_per_s=self.tokens_per_s(),
             info={
                 "held": self.intake.held if self.intake else 0,
+                "routed": self.router.routed if self.router else 0,
                 "max_num_seqs": self.engine_config.max_num_seqs,
                 "heartbeat_s": self.config.heartbeat_s,
             },

@@ -151,6 +151,7 @@ def spawn(
     log_dir: Path,
     exchange: str,
     hooks: dict[str, Any] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> WorkerProc:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
     env |= {
@@ -160,6 +161,7 @@ def spawn(
     }
     if hooks:  # the engine's test hooks (worker/engine/faults.py)
         env["KVFLOW_TEST_HOOKS"] = json.dumps(hooks)
+    env |= extra_env or {}
     if "KVFLOW_CACHE_DIR" in os.environ:  # the default model's conversion cache
         env["KVFLOW_CACHE_DIR"] = os.environ["KVFLOW_CACHE_DIR"]
     log_path = log_dir / f"{worker_id}.log"
@@ -221,6 +223,7 @@ class Harness:
         database_url: str | None = None,
         amqp_url: str | None = None,
         crash_token: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> WorkerProc:
         """A worker; a request whose prompt holds HOLD sits still after its first token
         while the gate is closed, one holding `crash_token` kills its engine process."""
@@ -238,7 +241,7 @@ class Harness:
         hooks: dict[str, Any] = {"hold_token": HOLD, "gate": str(self.gate)}
         if crash_token is not None:
             hooks["crash_token"] = crash_token
-        w = spawn(cmd, wid, self.log_dir, self.topo.exchange, hooks)
+        w = spawn(cmd, wid, self.log_dir, self.topo.exchange, hooks, env)
         self.workers.append(w)
         return w
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,8 +18,9 @@ from worker.config import EngineConfig
 from worker.engine.faults import TestHooks
 from worker.engine.model_runner import ModelRunner, RuntimeInfo
 from worker.engine.output_processor import OutputProcessor
-from worker.engine.outputs import RequestOutput, StepStats
+from worker.engine.outputs import RequestOutput, SchedulerOutput, StepStats
 from worker.engine.scheduler import Scheduler
+from worker.engine.steplog import StepLog
 from worker.limits import RequestLimits
 from worker.model.loader import LoadedModel, load_model
 from worker.request import Request, RequestStatus, SamplingParams
@@ -76,6 +78,7 @@ class LLMEngine:
         self.recent_stats: collections.deque[StepStats] = collections.deque(maxlen=4096)
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self.hooks = TestHooks.from_env()
+        self.step_log = StepLog.from_env()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -145,6 +148,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self.hooks is not None:
             self.hooks.check_crash(self.scheduler.requests[s.request_id] for s in sched.scheduled)
+        client_tokens = self._client_tokens(sched)
+        if self.step_log is not None:
+            self.step_log.write(sched, self.scheduler)
         core = list(sched.finished)
         forward_s = sample_s = 0.0
         sampled = 0
@@ -172,12 +178,27 @@ class LLMEngine:
             preemptions_total=self.scheduler.num_preemptions,
             prefix_queries_total=self.scheduler.kv.prefix_queries,
             prefix_hits_total=self.scheduler.kv.prefix_hits,
+            client_tokens=client_tokens,
+            client_waiting=dict(Counter(r.client for r in self.scheduler.policy)),
         )
         self.last_stats = stats
         self.recent_stats.append(stats)
         for listener in self.stats_listeners:
             listener(stats)
         return outputs
+
+    def _client_tokens(self, sched: SchedulerOutput) -> dict[str, tuple[int, int]]:
+        """(prompt tokens, generated tokens) per client in this step."""
+        out: dict[str, tuple[int, int]] = {}
+        requests = self.scheduler.requests
+        for s in sched.scheduled:
+            client = requests[s.request_id].client
+            prompt, generated = out.get(client, (0, 0))
+            if s.is_decode:
+                out[client] = (prompt, generated + 1)
+            else:
+                out[client] = (prompt + s.num_new_tokens, generated)
+        return out
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -6,8 +6,8 @@ service it received: the tokens the engine computed for it, prefill tokens weigh
 VTC's defaults, divided by the client's weight. When a sequence
 slot frees, the waiting client with the lowest counter is admitted first; within a
 client, requests keep their order (priority with aging, then arrival), and deadlines
-work as before. A client that had nothing waiting has its counter lifted to the lowest
-counter among the clients that are waiting, so idle time is not banked as credit.
+work as before. A client that had nothing waiting or running has its counter lifted to
+the lowest counter among the clients that have, so idle time is not banked as credit.
 The policy is work-conserving: a client alone gets every slot.
 
 Reference: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024).
@@ -51,11 +51,16 @@ class FairPolicy:
 
     def add(self, req: Request) -> None:
         queue = self._queue(req.client)
-        if not queue:
-            # Newly backlogged: no credit for the time it had nothing waiting.
-            waiting = [self.counters[c] for c, q in self._queues.items() if q and c != req.client]
-            if waiting:
-                self.counters[req.client] = max(self.counters[req.client], min(waiting))
+        if not queue and not self._running[req.client]:
+            # Newly active: no credit for the time it had nothing here. Its counter
+            # starts from the lowest among the clients with work waiting or running.
+            active = [
+                self.counters[c]
+                for c in self._queues
+                if c != req.client and (self._queues[c] or self._running[c])
+            ]
+            if active:
+                self.counters[req.client] = max(self.counters[req.client], min(active))
         queue.add(req)
 
     def requeue(self, req: Request) -> None:

@@ -130,6 +130,10 @@ class StepStats:
     preemptions_total: int = 0
     prefix_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits_total: int = 0  # of which found
+    # Per client: (prompt tokens, generated tokens) computed this step (fair sharing's
+    # "service received", as it happens).
+    client_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    client_waiting: dict[str, int] = field(default_factory=dict)  # after the step
 
     @property
     def overhead_s(self) -> float:

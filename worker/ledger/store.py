@@ -89,13 +89,14 @@ class LedgerStore:
         url: str,
         *,
         batch_size: int = 256,
-        flush_interval_s: float = 0.05,
+        flush_interval_s: float = 0.0,
         timeout_s: float = 10.0,
         retry_max_s: float = 5.0,
     ) -> LedgerStore:
         """Connect to `url` and check its schema (SchemaError if it is not migrated).
 
-        `flush_interval_s` is how long a batch may wait to fill up; `timeout_s` bounds
+        `flush_interval_s` is how long a batch may wait to fill up (0: group commit, a
+        batch is written at once and what comes meanwhile joins the next); `timeout_s` bounds
         connecting and each statement; `retry_max_s` caps the backoff between retries.
         """
         if batch_size < 1:

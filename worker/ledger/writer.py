@@ -124,9 +124,14 @@ class RecordWriter:
                 await self._wake.wait()
                 continue
             if len(self._queue) < self._batch_size and not self._closing:
-                self._full.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), self._flush_interval_s)
+                if self._flush_interval_s > 0:
+                    self._full.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), self._flush_interval_s)
+                else:
+                    # Group commit: write what is queued now; what comes while this batch
+                    # is written joins the next one.
+                    await asyncio.sleep(0)
             batch = list(itertools.islice(self._queue, self._batch_size))
             rows: dict[str, RequestRecord] = {}  # one per id: merged in memory
             for item in batch:

@@ -99,7 +99,10 @@ class Intake(abc.ABC):
         is held)."""
 
     async def _delivered(
-        self, message: AbstractIncomingMessage, on_settled: Callable[[], None] | None = None
+        self,
+        message: AbstractIncomingMessage,
+        on_settled: Callable[[], None] | None = None,
+        on_admitted: Callable[[], None] | None = None,
     ) -> None:
         # A drain began while this delivery was on its way: give the message back,
         # unless the queue would then drop it (its last allowed delivery): that one is
@@ -111,7 +114,7 @@ class Intake(abc.ABC):
                 on_settled()
             return
         self.pulled += 1
-        self._hold(message, on_settled)
+        self._hold(message, on_settled, on_admitted)
 
     async def _wait_for_change(self, timeout_s: float = 0.5) -> None:
         """Until capacity may have changed, the worker is resumed, or it stops."""
@@ -130,12 +133,19 @@ class Intake(abc.ABC):
         return len(self._held)
 
     def _hold(
-        self, message: AbstractIncomingMessage, on_settled: Callable[[], None] | None = None
+        self,
+        message: AbstractIncomingMessage,
+        on_settled: Callable[[], None] | None = None,
+        on_admitted: Callable[[], None] | None = None,
     ) -> None:
+        def admitted() -> None:  # the engine has the request: its capacity counts it now
+            if on_admitted is not None:
+                on_admitted()
+            self._capacity_changed.set()
+
         async def run() -> None:
             try:
-                # `admitted`: the engine has the request, its capacity counts it now.
-                await self.deliver(message, self._capacity_changed.set)
+                await self.deliver(message, admitted)
             finally:
                 if on_settled is not None:
                     on_settled()

@@ -20,6 +20,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from broker.messages import client_of
 from broker.publisher import Requeuer
 from broker.topology import Topology
+from worker.metrics import MessageEvent, Metrics
 from worker.serving.lanes import Lanes
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ class Router:
         publish: AbstractChannel,
         topology: Topology,
         lanes: Lanes,
+        metrics: Metrics,
     ) -> None:
         self.source = source
+        self.metrics = metrics
         self.publish = publish
         self.topology = topology
         self.lanes = lanes
@@ -68,6 +71,7 @@ class Router:
             return
         await message.ack()
         self.routed += 1
+        self.metrics.on_message(MessageEvent.ROUTED)
         self.lanes.has_messages(lane.client)
 
 
