@@ -29,7 +29,7 @@ from broker.redact import redact_url
 from worker.ledger import statements
 from worker.ledger.marks import DeliveryMarks
 from worker.ledger.migrate import check_schema_async, is_transient, open_engine, unreachable
-from worker.ledger.records import RequestRecord, WorkerRecord, aware, merge, storable
+from worker.ledger.records import MERGED, RequestRecord, WorkerRecord, aware, merge, storable
 from worker.ledger.retry import LedgerWriteError, Retrier
 from worker.ledger.states import LedgerStatus
 from worker.ledger.tables import requests as requests_table
@@ -190,12 +190,18 @@ class LedgerStore:
         await self._once(lambda conn: conn.execute(stmt), write=True)
 
     async def record_if_new(self, rec: RequestRecord) -> RequestRecord:
-        """Write `rec` only if its id has no row yet; returns the row the ledger holds
-        for the id afterwards (ours, or the one that was there). For a rejection of
-        bad input: a malformed copy of an id must never end a valid request's row. One
-        attempt (DatabaseUnavailable if the database cannot be reached)."""
+        """Write `rec` only if no delivery has taken its id up: no row yet, or a `queued`
+        one (reopened for a replay); returns the row the ledger holds for the id
+        afterwards (ours, or the one that was there). For a rejection of bad input: a
+        malformed copy of an id must never end a valid request's row. One attempt
+        (DatabaseUnavailable if the database cannot be reached)."""
         stmt = statements.insert(self._dialect)(requests_table).values(rec.row(datetime.now(UTC)))
-        stmt = stmt.on_conflict_do_nothing(index_elements=[requests_table.c.id])
+        t = requests_table.c
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[t.id],
+            set_={name: stmt.excluded[name] for name in (*MERGED, "status", "updated_at")},
+            where=t.status == LedgerStatus.QUEUED.value,
+        )
         query = select(requests_table).where(requests_table.c.id == rec.id)
 
         async def write(conn: AsyncConnection) -> RequestRecord:
