@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from broker.messages import DEFAULT_CLIENT
 from worker.engine.outputs import RequestOutput, StepStats
-from worker.serving.lanes import metric_label
+from worker.serving.lanes import OTHER, metric_label
 
 # Latency buckets (seconds) wide enough for CPU and GPU workers alike.
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -222,6 +222,14 @@ class Metrics:
             per_client,
             registry=r,
         )
+        # Every label value exists from the start (at zero), so a rate over the first
+        # minutes of a worker counts its first requests.
+        for client in {*self.clients, DEFAULT_CLIENT, OTHER}:
+            label = {**lv, "client": client}
+            for kind in ("prefill", "decode"):
+                self._client_service.labels(**label, kind=kind)
+            for hist in (self._client_queue, self._client_ttft, self._client_queued_tokens):
+                hist.labels(**label)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
 
     # -- updates -------------------------------------------------------------------------

@@ -412,9 +412,12 @@ async def test_status_and_ledger_commands_match_what_was_sent(env: Env, tmp_path
     w = env.worker("status", max_num_seqs=4)
     await env.ready(w)
     n = 10
-    handles = [await env.submit_long(f"st-{i}", 8 + i) for i in range(n)]
+    handles = [
+        await env.submit_long(f"st-{i}", 8 + i, client="svc-a" if i < 5 else "svc-b")
+        for i in range(n)
+    ]
     outcomes = await results(handles, timeout=60)
-    await env.settled([h.id for h in handles])
+    rows = await env.settled([h.id for h in handles])
     tokens = sum(8 + i for i in range(n))
 
     async def quiet() -> dict[str, Any] | None:
@@ -432,6 +435,14 @@ async def test_status_and_ledger_commands_match_what_was_sent(env: Env, tmp_path
         p = led["latency_s"][name]
         assert 0 < p["p50"] <= p["p99"], (name, p)
     assert [x["worker"] for x in doc["workers"] if x["alive"]] == [w.name], doc["workers"]
+    clients = {c["client"]: c for c in doc["clients"]}  # service received per client
+    for name, ids in (("svc-a", range(5)), ("svc-b", range(5, 10))):
+        mine = [rows[f"st-{i}"] for i in ids]
+        served = sum(r["prompt_tokens"] + 2 * r["completion_tokens"] for r in mine)
+        assert clients[name]["requests"] == 5 and clients[name]["service"] == served, clients
+        assert clients[name]["ttft_p50_s"] > 0, clients
+    human = (await env.kvflow("status")).ok().out
+    assert "svc-a" in human and "SHARE" in human, human
 
     stats = (await env.kvflow("ledger", "stats", "--since", "10m", "--json")).ok().json
     assert stats["counts"]["completed"] == n and stats["completion_tokens"] == tokens, stats

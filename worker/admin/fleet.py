@@ -76,6 +76,7 @@ async def _status(ends: Endpoints, minutes: float) -> dict[str, Any]:
         async with LedgerReader(ends.database_url) as ledger:
             rows = await ledger.workers()
             doc["ledger"] = {"minutes": minutes, **await ledger.summary(since, None)}
+            doc["clients"] = await ledger.clients(since, None)
         now = datetime.now(UTC)
         doc["workers"] = [
             v for v in (views.worker_view(r, now) for r in rows) if v["status"] != "stopped"
@@ -109,5 +110,7 @@ def status(as_json: bool, minutes: float, **kw: Any) -> None:
                 click.echo(views.workers_table(doc["workers"]))
         if "ledger" in doc:
             click.echo(views.summary_text(doc["ledger"], f"last {minutes:g} min"))
+        if doc.get("clients"):
+            click.echo(views.clients_table(doc["clients"]))
     if doc["errors"]:
         raise click.ClickException("; ".join(doc["errors"]))

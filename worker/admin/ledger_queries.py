@@ -211,6 +211,51 @@ class LedgerReader:
             }
         return out
 
+    async def clients(self, since: datetime | None, until: datetime | None) -> list[dict[str, Any]]:
+        """Per client, of the requests that finished in [since, until): how many, the
+        service they received (prompt tokens + 2 x generated tokens, the fair policy's
+        weights), and the median queue delay and time to first token of the completed."""
+        t = requests_table.c
+        client = func.coalesce(t.client, "(none)")
+        stmt = (
+            select(
+                client,
+                func.count(),
+                func.sum(t.prompt_tokens),
+                func.sum(t.completion_tokens),
+            )
+            .where(*self._window(since, until))
+            .group_by(client)
+            .order_by(client)
+        )
+        where = [*self._window(since, until), t.status == LedgerStatus.COMPLETED.value]
+        async with self.connect() as conn:
+            totals = (await conn.execute(stmt)).all()
+            delays = (await conn.execute(select(client, t.queue_s, t.ttft_s).where(*where))).all()
+        by_client: dict[str, tuple[list[float], list[float]]] = {}
+        for name, queue_s, ttft_s in delays:
+            q, f = by_client.setdefault(str(name), ([], []))
+            if queue_s is not None:
+                q.append(float(queue_s))
+            if ttft_s is not None:
+                f.append(float(ttft_s))
+        out = []
+        for name, n, pt, ct in totals:
+            q, f = by_client.get(str(name), ([], []))
+            prompt, completion = int(pt or 0), int(ct or 0)
+            out.append(
+                {
+                    "client": str(name),
+                    "requests": int(n),
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "service": prompt + 2 * completion,
+                    "queue_p50_s": percentile(sorted(q), 0.5),
+                    "ttft_p50_s": percentile(sorted(f), 0.5),
+                }
+            )
+        return out
+
     async def count(self, since: datetime | None, until: datetime | None) -> int:
         stmt = select(func.count()).select_from(requests_table).where(*self._window(since, until))
         async with self.connect() as conn:

@@ -149,6 +149,20 @@ def summary_text(s: Mapping[str, Any], title: str) -> str:
     return "\n".join(lines)
 
 
+def clients_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per client: requests, service received (and its share), median queue delay and TTFT."""
+    total = sum(r["service"] for r in rows) or 1
+    lines = [
+        f"{'CLIENT':16} {'REQS':>6} {'SERVICE':>10} {'SHARE':>6} {'QUEUE p50':>10} {'TTFT p50':>10}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['client'][:16]:16} {r['requests']:>6} {r['service']:>10,} "
+            f"{r['service'] / total:>6.0%} {_secs(r['queue_p50_s']):>10} {_secs(r['ttft_p50_s']):>10}"
+        )
+    return "\n".join(lines)
+
+
 def _secs(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}s"
 
