@@ -228,8 +228,9 @@ class Metrics:
             label = {**lv, "client": client}
             for kind in ("prefill", "decode"):
                 self._client_service.labels(**label, kind=kind)
-            for hist in (self._client_queue, self._client_ttft, self._client_queued_tokens):
-                hist.labels(**label)
+            self._client_queue.labels(**label)
+            self._client_ttft.labels(**label)
+            self._client_queued_tokens.labels(**label)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
 
     # -- updates -------------------------------------------------------------------------

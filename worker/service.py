@@ -25,9 +25,7 @@ from datetime import UTC, datetime
 from aio_pika.abc import AbstractConnection
 
 from broker.connection import connect
-from broker.publisher import ReplyPublisher, Requeuer
 from broker.topology import Topology, declare, redact_url
-from worker.builder import RequestBuilder
 from worker.config import EngineConfig, ServiceConfig
 from worker.control import ControlListener
 from worker.engine.async_engine import AsyncEngine, EngineFront
@@ -36,15 +34,8 @@ from worker.engine.outputs import StepStats
 from worker.engine.process_engine import ProcessEngine
 from worker.ledger import LedgerStore, WorkerRecord, WorkerState
 from worker.metrics import Metrics
-from worker.serving.delivery import Delivery
 from worker.serving.drain import DrainState, GiveBack
-from worker.serving.intake import FlowControl, Intake, QueueIntake
-from worker.serving.isolation import Isolation
-from worker.serving.lane_intake import LaneIntake
-from worker.serving.lanes import Lanes
-from worker.serving.replies import Replier
-from worker.serving.router import Router
-from worker.serving.settlement import Settlement
+from worker.serving.wiring import Serving, Wiring, wire
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +67,7 @@ class Service:
         self._tok_window: deque[tuple[float, int]] = deque(maxlen=256)
         self.metrics: Metrics | None = None
         self.engine: EngineFront | None = None
-        self.intake: Intake | None = None
-        self.lanes: Lanes | None = None
-        self.router: Router | None = None
+        self.serving: Serving | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -95,9 +84,6 @@ class Service:
             consume = await connection.channel(publisher_confirms=False)
             publish = await connection.channel(publisher_confirms=True)
             declared = await declare(publish, self.topology)
-            queue = await consume.get_queue(declared.queue.name, ensure=False)
-            max_held = self.engine_config.max_num_seqs + cfg.lookahead
-            await consume.set_qos(prefetch_count=max_held)  # the consumer's window
             # The step loop runs in its own process (no GIL shared with this event loop)
             # unless an engine object was handed in (tests).
             if self._llm is not None:
@@ -106,54 +92,29 @@ class Service:
                 engine = await ProcessEngine.launch(self.engine_config)
             self.engine = engine
             metrics = self.metrics = self._start_metrics(engine.info.model_name, ledger)
-            lanes = self.lanes = self._lanes()
-            replier = Replier(ReplyPublisher(publish))
-            settlement = Settlement(
-                ledger,
-                replier,
-                metrics,
-                delivery_limit=cfg.delivery_limit,
-                requeuer=Requeuer(publish, declared.queue.name),
+            serving = await wire(
+                Wiring(
+                    connection,
+                    consume,
+                    publish,
+                    declared.queue.name,
+                    self.topology,
+                    engine,
+                    ledger,
+                    metrics,
+                    self.drain_state,
+                    self.engine_config,
+                    cfg,
+                    self.worker_id,
+                )
             )
-            delivery = Delivery(
-                engine=engine,
-                builder=RequestBuilder(engine.tokenizer, engine.limits),
-                ledger=ledger,
-                replier=replier,
-                settlement=settlement,
-                drain=self.drain_state,
-                metrics=metrics,
-                worker_id=self.worker_id,
-                default_max_tokens=cfg.default_max_tokens,
-                max_message_bytes=cfg.max_message_bytes,
-                max_request_s=cfg.max_request_s,
-                max_queue_delay_s=cfg.max_queue_delay_s,
-                isolation=Isolation(),
-                lanes=lanes,
-            )
-            if lanes is not None:  # a look-ahead per lane (see worker/serving/lanes.py)
-                max_held = self.engine_config.max_num_seqs + lanes.lookahead * len(lanes.lanes)
-            flow = FlowControl(max_held, cfg.reserve_blocks)
-            parts = (engine, flow, self.drain_state, settlement, metrics, delivery.handle)
-            timing = {"poll_max_s": cfg.poll_max_s, "burst": cfg.burst}
-            if lanes is not None:
-                # Fair mode: a router moves requests into the clients' lanes, the intake
-                # takes from the lanes in fair order.
-                route = await connection.channel(publisher_confirms=False)
-                await route.set_qos(prefetch_count=ROUTER_WINDOW)
-                source = await route.get_queue(declared.queue.name, ensure=False)
-                router = self.router = Router(source, publish, self.topology, lanes, metrics)
-                await router.start()
-                pull = [await connection.channel(publisher_confirms=False) for _ in range(PULLERS)]
-                intake: Intake = LaneIntake(pull, lanes, *parts, **timing)
-            else:
-                intake = QueueIntake(queue, *parts, **timing)
-            self.intake = intake
+            self.serving = serving
+            intake = serving.intake
             engine.add_stats_listener(self._on_step)
             engine.on_failure = self._engine_failed
             await engine.start()
             control = ControlListener(
-                self, publish, replier.publisher, self.topology.control_exchange
+                self, publish, serving.replier.publisher, self.topology.control_exchange
             )
             await control.start()
             self._install_signals()
@@ -171,6 +132,7 @@ class Service:
             pulling = asyncio.create_task(intake.run(), name="intake")
             pulling.add_done_callback(self._intake_done)
             await self._stop.wait()
+            await serving.stop_routing()
             intake.stop()
             try:
                 await asyncio.wait_for(pulling, 15)
@@ -191,19 +153,6 @@ class Service:
                 log.error("%d ledger writes were not committed at exit", left)
             if connection is not None:
                 await connection.close()
-
-    def _lanes(self) -> Lanes | None:
-        """Fair mode (policy 'fair'): the clients' lanes; else None (one queue)."""
-        if self.engine_config.policy != "fair":
-            return None
-        return Lanes(
-            self.config.queue,
-            dict(self.engine_config.client_weights),
-            max_queued_tokens=self.config.client_max_queued_tokens,
-            # per lane: the look-ahead, plus the gets that may be on their way
-            lookahead=self.config.lookahead + PULLERS,
-            poll_max_s=self.config.poll_max_s,
-        )
 
     def _start_metrics(self, model: str, ledger: LedgerStore) -> Metrics:
         m = Metrics(
@@ -263,11 +212,12 @@ class Service:
         self._tok_window.append(
             (time.time(), stats.num_decode_tokens + (1 if stats.num_prefill_tokens else 0))
         )
-        if self.intake is not None:
-            self.intake.capacity_changed()
-        if self.lanes is not None:
-            self.lanes.served(stats.client_tokens)
-            self.lanes.engine_step(stats.client_waiting)
+        serving = self.serving
+        if serving is not None:
+            serving.intake.capacity_changed()
+            if serving.lanes is not None:
+                serving.lanes.served(stats.client_tokens)
+                serving.lanes.engine_step(stats.client_waiting)
         if self.metrics is not None:
             self.metrics.on_step(stats)
 
@@ -283,8 +233,8 @@ class Service:
         if self.state in (WorkerState.DRAINING, WorkerState.DRAINED):
             self._set_state(WorkerState.SERVING)
         self.drain_state.resume()
-        if self.intake is not None:
-            self.intake.capacity_changed()
+        if self.serving is not None:
+            self.serving.intake.capacity_changed()
 
     async def drain(self, timeout_s: float) -> int:
         """Stop pulling, let running requests finish for up to timeout_s, requeue the rest.
@@ -292,15 +242,16 @@ class Service:
         Returns how many requests were requeued.
         """
         self.pause()
-        assert self.engine is not None and self.intake is not None
-        left = await self.intake.wait_settled(timeout_s)
+        assert self.engine is not None and self.serving is not None
+        intake = self.serving.intake
+        left = await intake.wait_settled(timeout_s)
         if left:
             ids = self.engine.request_ids()
             log.warning("drain timeout: requeueing %d unfinished requests", len(ids))
             self.drain_state.give_back(ids)
             for rid in ids:
                 self.engine.abort(rid)
-            await self.intake.wait_settled(30)
+            await intake.wait_settled(30)
         self._set_state(WorkerState.DRAINED)
         return left
 
@@ -327,7 +278,7 @@ class Service:
             "queue": rec.queue,
             "running": rec.running,
             "waiting": rec.waiting,
-            "held": self.intake.held if self.intake else 0,
+            "held": self.serving.intake.held if self.serving else 0,
             "kv_usage": rec.kv_usage,
             "tokens_per_s": rec.tokens_per_s,
             "uptime_s": time.time() - self.started_at,
@@ -361,8 +312,8 @@ class Service:
             kv_usage=cap.kv_usage,
             tokens_per_s=self.tokens_per_s(),
             info={
-                "held": self.intake.held if self.intake else 0,
-                "routed": self.router.routed if self.router else 0,
+                "held": self.serving.intake.held if self.serving else 0,
+                "routed": self.serving.router.routed if self.serving and self.serving.router else 0,
                 "max_num_seqs": self.engine_config.max_num_seqs,
                 "heartbeat_s": self.config.heartbeat_s,
             },
