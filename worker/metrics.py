@@ -99,14 +99,16 @@ class Metrics:
         self.clients = frozenset(clients)
         r, names = self.registry, ("worker", "model")
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r)
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, (*names, *extra), registry=r)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, (*names, *extra), registry=r)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r)
+        def hist(
+            name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()
+        ) -> Histogram:
+            return Histogram(name, doc, (*names, *extra), buckets=buckets, registry=r)
 
         lv = self.labels
         self.running = gauge(
@@ -189,38 +191,32 @@ class Metrics:
             ("worker", "model", "state"),
             registry=r,
         )
-        per_client = (*names, "client")
-        self._client_service = Counter(
+        self._client_service = counter(
             "kvflow_client_service_tokens",
             "Service received per client: tokens computed, by kind (prefill, decode).",
-            (*per_client, "kind"),
-            registry=r,
+            ("client", "kind"),
         )
-        self._client_requests = Counter(
+        self._client_requests = counter(
             "kvflow_client_requests",
             "Requests per client by how they ended (their ledger status).",
-            (*per_client, "status"),
-            registry=r,
+            ("client", "status"),
         )
-        self._client_queue = Histogram(
+        self._client_queue = hist(
             "kvflow_client_queue_time_seconds",
             "Enqueue to first scheduled, per client.",
-            per_client,
-            buckets=_LATENCY,
-            registry=r,
+            _LATENCY,
+            ("client",),
         )
-        self._client_ttft = Histogram(
+        self._client_ttft = hist(
             "kvflow_client_time_to_first_token_seconds",
             "Enqueue to first token, per client.",
-            per_client,
-            buckets=_LATENCY,
-            registry=r,
+            _LATENCY,
+            ("client",),
         )
-        self._client_queued_tokens = Gauge(
+        self._client_queued_tokens = gauge(
             "kvflow_client_queued_tokens",
             "Prompt tokens of a client waiting in this worker (fair mode's admission control).",
-            per_client,
-            registry=r,
+            ("client",),
         )
         # Every label value exists from the start (at zero), so a rate over the first
         # minutes of a worker counts its first requests.
