@@ -15,6 +15,9 @@ messages much faster than the engine serves them, but not instantly).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -24,7 +27,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.integration.harness import Harness
+from tests.integration.harness import REPO, Harness
 from tests.integration.helpers import eventually
 from worker.engine.fairness import DECODE_WEIGHT, PREFILL_WEIGHT
 
@@ -62,7 +65,9 @@ async def test_a_backlog_does_not_starve_a_few_requests_and_service_follows_weig
         "fair",
         model=tiny_dir,
         max_num_seqs=MAX_SEQS,
-        extra=["--policy", "fair", "--client-weights", f"a={wa},b={wb}"],
+        # a deeper look-ahead keeps every client's requests waiting in the engine however
+        # fast the engine is next to the broker round trips that feed it
+        extra=["--policy", "fair", "--client-weights", f"a={wa},b={wb}", "--lookahead", "6"],
         env={"KVFLOW_STEP_LOG": str(steps_path)},
     )
     await h.ready(w)
@@ -123,3 +128,19 @@ async def test_a_backlog_does_not_starve_a_few_requests_and_service_follows_weig
         shares.append(window["a"] / (window["a"] + window["b"]))
     assert shares, f"no window of {WINDOW} steps with both clients waiting ({len(both)} steps)"
     assert all(abs(x - expected) <= 0.05 for x in shares), (expected, shares)
+
+    # `kvflow status` shows the lanes (empty now) and the service each client received
+    env = {**os.environ, "KVFLOW_QUEUE": h.topo.queue, "KVFLOW_CLIENT_WEIGHTS": f"a={wa},b={wb}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--json", "--database-url", h.db_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    doc = json.loads(done.stdout)
+    assert set(doc["lanes"]) == {"a", "b", "other"}, doc.get("lanes")
+    assert all(n["ready"] == 0 for n in doc["lanes"].values()), doc["lanes"]
+    served = {c["client"]: c for c in doc["clients"]}
+    assert served["a"]["requests"] == len(a_ids) and served["b"]["requests"] == len(b_ids)

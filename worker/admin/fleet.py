@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -12,6 +13,8 @@ from worker.admin.common import Endpoints, connection_options, endpoints, run
 from worker.admin.control_client import ControlClient
 from worker.admin.ledger_queries import LedgerReader
 from worker.admin.queues import queue_counts
+from worker.config import parse_weights
+from worker.serving.lanes import OTHER, lane_queue
 
 
 async def _worker_views(
@@ -69,6 +72,7 @@ async def _status(ends: Endpoints, minutes: float) -> dict[str, Any]:
         dead, _ = await queue_counts(ends.amqp_url, topo.dead_letter_queue)
         doc["requests"] = {"ready": ready, "unacked": unacked}
         doc["dead_letters"] = dead
+        doc["lanes"] = await _lanes(ends.amqp_url, topo.queue)
     except (ConnectionError, LookupError, RuntimeError) as e:
         errors.append(str(e))
     since = datetime.now(UTC) - timedelta(minutes=minutes)
@@ -87,6 +91,20 @@ async def _status(ends: Endpoints, minutes: float) -> dict[str, Any]:
     return doc
 
 
+async def _lanes(amqp_url: str, queue: str) -> dict[str, dict[str, int]]:
+    """Fair mode's lanes (the clients of KVFLOW_CLIENT_WEIGHTS, and `other`), where a
+    backlog waits: ready and unacked per client, for the lanes that exist."""
+    names = [name for name, _ in parse_weights(os.environ.get("KVFLOW_CLIENT_WEIGHTS", ""))]
+    out: dict[str, dict[str, int]] = {}
+    for client in [*names, OTHER] if names else []:
+        try:
+            ready, unacked = await queue_counts(amqp_url, lane_queue(queue, client))
+        except LookupError:
+            continue
+        out[client] = {"ready": ready, "unacked": unacked}
+    return out
+
+
 @click.command("status")
 @connection_options
 @click.option("--minutes", type=float, default=5.0, show_default=True, help="Ledger window.")
@@ -102,6 +120,14 @@ def status(as_json: bool, minutes: float, **kw: Any) -> None:
             click.echo(
                 f"queue {doc['queue']}: {q['ready']} ready, {q['unacked']} unacked; "
                 f"dead letters: {doc['dead_letters']}"
+            )
+        if doc.get("lanes"):
+            click.echo(
+                "lanes: "
+                + ", ".join(
+                    f"{c} {n['ready']} ready, {n['unacked']} unacked"
+                    for c, n in doc["lanes"].items()
+                )
             )
         if "workers" in doc:
             live = [w for w in doc["workers"] if w["alive"]]
