@@ -7,9 +7,13 @@
    window, reply, ack; no engine, no ledger) under the same producer.
 2. The pipeline's ceiling: many requests of one prompt token and max_tokens=1 through a
    `kvflow worker`, requests per second and CPU per request by party; with a 2-layer
-   random model of the default vocabulary (the model's cost out: the pipeline's own) and
+   random model of the default vocabulary (the model's cost out: the pipeline's own),
+   the same in fair mode (`--policy fair`: the router moves each message into its
+   client's lane queue; the broker's extra cost per request shows in the CPU table), and
    with the default model.
-3. Long outputs (a few hundred tokens each) in process (`kvflow run-batch`'s path) and
+3. The engine process alone (ops/bench/stepcost.py): its step loop's cost per one-token
+   request, fed in bursts of 4, 64 and 256 requests per step.
+4. Long outputs (a few hundred tokens each) in process (`kvflow run-batch`'s path) and
    through RabbitMQ + worker + PostgreSQL, in alternating rounds; the medians compared.
 Every request is published at once by `broker.Client`, results awaited from its reply
 queue, rows in a fresh PostgreSQL schema. Writes JSON, Markdown and a PNG under --out.
@@ -25,7 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +81,24 @@ async def through_queue(
     max_tokens: list[int],
     desc: str,
     worker_pid: int | None = None,
+    clients: Sequence[str] = ("default",),
 ) -> dict[str, float]:
-    """Publish every request at once, await every result. With `worker_pid`, also the
-    CPU milliseconds per request of each party (key `cpu_ms_per_req`)."""
+    """Publish every request at once, await every result; request i is accounted to
+    client `clients[i % len(clients)]`. With `worker_pid`, also the CPU milliseconds per
+    request of each party (key `cpu_ms_per_req`)."""
     cpu0 = cpu_seconds(worker_pid) if worker_pid is not None else {}
     async with await Client.connect(amqp_url, queue=queue) as client:
         t0 = time.time()
         handles = await asyncio.gather(
             *(
-                client.submit(prompt_token_ids=p, max_tokens=m, temperature=0.0, ignore_eos=True)
-                for p, m in zip(prompts, max_tokens, strict=True)
+                client.submit(
+                    prompt_token_ids=p,
+                    max_tokens=m,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    client=clients[i % len(clients)],
+                )
+                for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
             )
         )
         published = time.time()
@@ -180,7 +192,11 @@ def tiny_model(out: Path) -> Path:
 
 
 def start_worker(
-    args: argparse.Namespace, queue: str, db_url: str, model: str | None
+    args: argparse.Namespace,
+    queue: str,
+    db_url: str,
+    model: str | None,
+    extra: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
@@ -200,6 +216,7 @@ def start_worker(
     ]
     if model:
         cmd += ["--model", model]
+    cmd += extra
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
@@ -277,8 +294,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="alternating in-process / queue rounds")
     ap.add_argument(
         "--stages",
-        default="echo,ceiling-tiny,ceiling,rounds",
-        help="which of echo, ceiling-tiny, ceiling, rounds to run (comma-separated)",
+        default="echo,ceiling-tiny,ceiling-fair,ceiling,engine,rounds",
+        help="which of echo, ceiling-tiny, ceiling-fair, ceiling, engine, rounds to run "
+        "(comma-separated)",
     )
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -301,13 +319,15 @@ def main() -> None:
     results: dict[str, Any] = {"cpu": cpu_model()}
     print(f"CPU: {results['cpu']}", file=sys.stderr)
 
-    def with_worker(model: str | None, run: Callable[[str, int], dict[str, Any]]) -> dict[str, Any]:
-        """Start a worker on `model` and a fresh ledger schema, warm it up, `run(queue,
-        worker pid)`, stop it."""
+    def with_worker(
+        model: str | None, run: Callable[[str, int], dict[str, Any]], extra: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Start a worker on `model` (with `extra` flags) and a fresh ledger schema, warm
+        it up, `run(queue, worker pid)`, stop it."""
         schema, db_url = asyncio.run(fresh_schema(args.database_url))
         migrate.upgrade(db_url)
         queue = f"bench.{uuid.uuid4().hex[:8]}"
-        proc = start_worker(args, queue, db_url, model)
+        proc = start_worker(args, queue, db_url, model, extra)
         try:
             asyncio.run(wait_ready(db_url, proc))
             asyncio.run(through_queue(args.amqp_url, queue, [[1]] * 64, [1] * 64, "warm-up"))
@@ -320,8 +340,10 @@ def main() -> None:
                 proc.kill()
             asyncio.run(drop_schema(args.database_url, schema))
 
-    def ceiling(queue: str, pid: int, desc: str) -> dict[str, Any]:
-        return asyncio.run(through_queue(args.amqp_url, queue, *ones, desc, worker_pid=pid))
+    def ceiling(queue: str, pid: int, desc: str, clients: Sequence[str] = ("default",)) -> Any:
+        return asyncio.run(
+            through_queue(args.amqp_url, queue, *ones, desc, worker_pid=pid, clients=clients)
+        )
 
     if "echo" in stages:
         queue = f"bench.{uuid.uuid4().hex[:8]}"
@@ -339,10 +361,27 @@ def main() -> None:
             results["ceiling_tiny"] = with_worker(
                 str(tiny_model(Path(tmp))), lambda q, pid: ceiling(q, pid, "2-layer model")
             )
+    if "ceiling-fair" in stages:
+        import tempfile
+
+        # Fair mode: the router moves each message into its client's lane queue (one more
+        # publish with confirm and ack per request), the intake pulls the lanes in fair
+        # order. Two clients with equal weights, requests alternating.
+        with tempfile.TemporaryDirectory() as tmp:
+            results["ceiling_fair"] = with_worker(
+                str(tiny_model(Path(tmp))),
+                lambda q, pid: ceiling(q, pid, "2-layer model, fair mode", ("a", "b")),
+                ["--policy", "fair", "--client-weights", "a=1,b=1"],
+            )
     if "ceiling" in stages:
         results["ceiling"] = with_worker(
             args.model, lambda q, pid: ceiling(q, pid, "default model")
         )
+    if "engine" in stages:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            results["engine"] = engine_step_cost(str(tiny_model(Path(tmp))), args.ceiling)
     if "rounds" in stages:
         results.update(long_output_rounds(args, with_worker))
     md = report(results, args)
@@ -350,6 +389,22 @@ def main() -> None:
     (args.out / "pipeline.md").write_text(md)
     (args.out / "pipeline.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "pipeline.png")
+
+
+def engine_step_cost(model: str, n: int) -> list[dict[str, Any]]:
+    """ops/bench/stepcost.py on `model`, in a process of its own started as the worker
+    starts its engine process (idle OpenMP threads do not spin)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "stepcost.json"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": "1000"}
+        cmd = [sys.executable, str(ROOT / "ops/bench/stepcost.py"), "--model", model]
+        subprocess.run(
+            [*cmd, "-n", str(n), "--json", str(out)], env=env, check=True, stdout=subprocess.DEVNULL
+        )
+        rows: list[dict[str, Any]] = json.loads(out.read_text())
+        return rows
 
 
 def long_output_rounds(
@@ -410,6 +465,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         for key, name in (
             ("echo", "echo floor (aio-pika consumer, no engine, no ledger)"),
             ("ceiling_tiny", "kvflow worker, 2-layer model"),
+            ("ceiling_fair", "kvflow worker, 2-layer model, fair mode (router + lanes)"),
             ("ceiling", "kvflow worker, default model"),
         )
         if key in results
@@ -444,6 +500,16 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                     "whatever the accelerator (the engine process and the broker need cores "
                     "of their own on top).\n"
                 )
+    if "engine" in results:
+        from ops.bench.stepcost import table
+
+        lines += [
+            "The engine process alone (2-layer model; its step loop fed bursts of one-token "
+            "requests, ops/bench/stepcost.py): the cost per request of a step's fixed part "
+            "(small bursts) and of its per-request bookkeeping (large ones):",
+            "",
+            table(results["engine"]),
+        ]
     if "ratio" in results:
         local, queued = results["in_process"], results["queue"]
         lines += [
@@ -491,7 +557,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    names = {"echo": "echo floor", "ceiling_tiny": "2-layer model", "ceiling": "default model"}
+    names = {
+        "echo": "echo floor",
+        "ceiling_tiny": "2-layer",
+        "ceiling_fair": "2-layer, fair",
+        "ceiling": "default model",
+    }
     shown = [k for k in names if k in results]
     a.bar([names[k] for k in shown], [results[k]["req_s"] for k in shown], color="#a72")
     a.axhline(300, color="k", linestyle="--", label="target 300 req/s (2-layer)")

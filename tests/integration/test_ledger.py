@@ -83,16 +83,18 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def commits() -> Iterator[list[int]]:
-    """Counts COMMITs on every engine in the process while the test runs."""
+def upserts() -> Iterator[list[int]]:
+    """Counts the statements that write rows of `requests` (one per batch: autocommitted
+    multi-row upserts) on every engine in the process while the test runs."""
     seen: list[int] = []
 
-    def on_commit(conn: Connection) -> None:
-        seen.append(1)
+    def on_execute(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO REQUESTS"):
+            seen.append(1)
 
-    event.listen(Engine, "commit", on_commit)
+    event.listen(Engine, "before_cursor_execute", on_execute)
     yield seen
-    event.remove(Engine, "commit", on_commit)
+    event.remove(Engine, "before_cursor_execute", on_execute)
 
 
 async def _query(url: str, fn: Callable[[Connection], Any]) -> Any:
@@ -185,20 +187,20 @@ async def test_unmigrated_database_is_refused_with_the_upgrade_hint(fresh_url: s
 # -- The store --------------------------------------------------------------------------
 
 
-async def test_records_are_written_in_batches(ledger_url: str, commits: list[int]) -> None:
+async def test_records_are_written_in_batches(ledger_url: str, upserts: list[int]) -> None:
     prefix = _uid()
     store = await LedgerStore.open(ledger_url)
-    commits.clear()
+    upserts.clear()
     futures = [
         store.record(RequestRecord(id=f"{prefix}-{i}", status="completed", output_text=str(i)))
         for i in range(1000)
     ]
     assert store.pending == 1000
     await asyncio.wait_for(asyncio.gather(*futures), 30)
-    transactions = len(commits)
+    batches = len(upserts)
     assert store.pending == 0
     await store.close()
-    assert transactions == store.write_latency.count == 4  # ceil(1000 / 256)
+    assert batches == store.write_latency.count == 4  # ceil(1000 / 256)
     assert store.records_written == 1000
     assert await _count(ledger_url, prefix) == 1000
 
@@ -253,11 +255,11 @@ async def test_one_row_per_id_and_terminal_rows_are_final(ledger_url: str) -> No
 
 
 async def test_records_of_one_id_in_one_batch_are_coalesced(
-    ledger_url: str, commits: list[int]
+    ledger_url: str, upserts: list[int]
 ) -> None:
     a, b = _uid(), _uid()
     store = await LedgerStore.open(ledger_url, flush_interval_s=0.5)
-    commits.clear()
+    upserts.clear()
     futures = [
         store.record(RequestRecord(a, "queued", prompt="p", priority=3)),
         store.record(RequestRecord(b, "running", worker_id="w")),
@@ -267,7 +269,7 @@ async def test_records_of_one_id_in_one_batch_are_coalesced(
         store.record(RequestRecord(a, "running", worker_id="late")),  # after the verdict
     ]
     await asyncio.gather(*futures)
-    assert len(commits) == 1
+    assert len(upserts) == 1
     row_a, row_b = await store.get(a), await store.get(b)
     await store.close()
     assert row_a is not None and row_b is not None

@@ -113,12 +113,14 @@ class ProcessEngine(EngineFront):
         process = ctx.Process(
             target=_child, args=(config, child), name="kvflow-engine", daemon=True
         )
-        # Idle OpenMP threads spin only briefly (~0.1 ms) before they sleep: long spins
-        # take the CPU the event loop and the broker need between steps, no spin at all
-        # slows the back-to-back ops of a step. Measured with ops/bench/pipeline.py;
-        # an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+        # Idle OpenMP threads spin only briefly before they sleep. The engine shares the
+        # cores with the event loop, the broker and the database: libgomp's default spin
+        # (300,000 turns) takes the CPU they need between ops, and on a busy machine it
+        # cost 4-5x the CPU per one-token request and halved decode tok/s (measured with
+        # an engine microbenchmark under load; see README "The service path"). An
+        # operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
         tuned = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-        with _environ(**({} if tuned else {"GOMP_SPINCOUNT": "100000"})):
+        with _environ(**({} if tuned else {"GOMP_SPINCOUNT": "1000"})):
             process.start()
         child.close()
 

@@ -99,8 +99,8 @@ class LedgerStore:
         batch is written at once and what comes meanwhile joins the next); `timeout_s` bounds
         connecting and each statement; `retry_max_s` caps the backoff between retries.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 1 <= batch_size <= 1000:  # one batch is one multi-row statement
+            raise ValueError(f"batch_size must be between 1 and 1000, got {batch_size}")
         if flush_interval_s < 0 or timeout_s <= 0 or retry_max_s <= 0:
             raise ValueError("flush_interval_s must be >= 0, timeout_s and retry_max_s > 0")
         engine = open_engine(url, timeout_s=timeout_s)

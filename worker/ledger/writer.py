@@ -3,7 +3,8 @@
 `put()` queues a `RequestRecord` and returns a future at once; one background task
 takes up to `batch_size` queued records (waiting at most `flush_interval_s` for a batch
 to fill), folds the records of one id into one row (`records.merge`), upserts them in
-one transaction (an executemany of `statements.upsert_requests`) and then resolves the
+one statement (`statements.upsert_requests`: a multi-row INSERT ... ON CONFLICT, atomic on
+its own, so it is autocommitted: no BEGIN and COMMIT round trips) and then resolves the
 futures: for a terminal record, with the row as the ledger holds it after the commit.
 When the database is slow the batches grow; when it is down the batch waits in the
 `Retrier` and the records stay queued, delayed, never lost, until `close()` gives up.
@@ -58,7 +59,9 @@ class RecordWriter:
     def __init__(
         self, engine: AsyncEngine, retry: Retrier, *, batch_size: int, flush_interval_s: float
     ) -> None:
-        self._engine = engine
+        # A batch is one statement (the driver sends up to 1,000 rows as one multi-row
+        # INSERT; batch_size stays below that), atomic without a transaction around it.
+        self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._retry = retry
         self._upsert = statements.upsert_requests(engine.dialect.name)
         self._batch_size = batch_size
@@ -154,11 +157,11 @@ class RecordWriter:
                     )
 
     async def _write(self, recs: Sequence[RequestRecord]) -> dict[str, RequestRecord]:
-        """Upsert `recs` in one transaction; returns the committed rows of the terminal ones."""
+        """Upsert `recs` in one statement; returns the committed rows of the terminal ones."""
         start = time.perf_counter()
         now = datetime.now(UTC)
         final_ids = {r.id for r in recs if r.terminal}
-        async with self._engine.begin() as conn:
+        async with self._engine.connect() as conn:
             res = await conn.execute(self._upsert, [r.row(now) for r in recs])
             stored = {
                 row["id"]: RequestRecord.from_row(row)
