@@ -6,8 +6,8 @@ system call. A worker settling a burst of requests acks and answers each of them
 writes per request, about a fifth of its event loop's time at a few hundred requests
 per second (measured with ops/bench/pipeline.py). `install()` gives every connection
 the client opens a socket whose writes are held until the current turn of the event
-loop ends and then sent together; the bytes and their order are the same, only the system calls
-are fewer. Nothing waits longer than one turn, so latency is unchanged.
+loop ends and then sent together; the bytes and their order are the same, only the
+system calls are fewer. Nothing waits longer than one turn, so latency is unchanged.
 """
 
 from __future__ import annotations
