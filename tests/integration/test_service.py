@@ -585,6 +585,37 @@ async def test_requests_past_their_deadline_are_not_run(harness: Harness, tiny_d
     assert await h.ready_count() == 0
 
 
+async def test_a_request_queued_past_the_queue_delay_limit_is_answered_expired(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """Admission control: with --max-queue-delay, a request that waited longer since it
+    was enqueued is answered `expired` with the reason, and recorded so; a fresh one runs."""
+    h = harness
+    w = h.start("qdelay", model=tiny_dir, max_num_seqs=4, extra=["--max-queue-delay", "60"])
+    await h.ready(w)
+    enqueued = time.time() - 3600
+    body = msgpack.packb({"prompt": "waited an hour", "max_tokens": 4}, use_bin_type=True)
+    await h.publish_raw(
+        body, "waited", timestamp=enqueued, headers={ENQUEUED_AT_HEADER: f"{enqueued:.6f}"}
+    )
+    fresh = await h.client.submit("fresh", id="fresh", max_tokens=4)
+    assert (await fresh.result(60))["finish_reason"] == "length"
+
+    async def answered() -> bool:
+        return bool(h.client.replies.get("waited"))
+
+    await eventually(answered, "a reply to the request that waited an hour", timeout=30)
+    reply = h.client.replies["waited"]
+    assert [r["type"] for r in reply] == ["error"], reply
+    assert reply[0]["error"]["code"] == "expired"
+    assert "--max-queue-delay" in reply[0]["error"]["message"]
+    rows = await h.settled(["waited", "fresh"])
+    assert rows["waited"]["status"] == "expired"
+    assert "over this worker's limit of 60 s" in rows["waited"]["error"]
+    assert rows["waited"]["first_token_at"] is None, "it ran"
+    assert rows["fresh"]["status"] == "completed"
+
+
 @pytest.mark.timeout(90)
 async def test_request_whose_deadline_passes_while_held_is_not_run(
     harness: Harness, tiny_dir: Path
