@@ -20,7 +20,12 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
 
 
 class Linear(nn.Module):
-    """nn.Linear without the random initialisation: weights always come from a checkpoint."""
+    """nn.Linear without the random initialisation: weights always come from a checkpoint.
+
+    The weights may be in a narrower dtype than the activations (bfloat16 weights with
+    a float32 residual stream on CPU): the input is cast to the weights' dtype for the
+    matmul and the output back, so only the matmul runs narrow.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -28,7 +33,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -164,4 +169,4 @@ class LlamaForCausalLM(nn.Module):
         """[S, C] hidden states of the positions that sample -> [S, V] float32 logits."""
         h = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return F.linear(h.to(weight.dtype), weight).float()
