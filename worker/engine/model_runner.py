@@ -89,7 +89,9 @@ class ModelRunner:
             * self.dtype.itemsize
         )
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
-        shape = (num_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        self.num_kv_heads = mcfg.num_kv_heads
+        # Head-major blocks (worker.model.attention explains why).
+        shape = (num_blocks, mcfg.num_kv_heads, self.block_size, mcfg.head_dim)
         # Zeroed: padded attention reads unwritten slots (masked, but 0 * NaN is NaN).
         self.kv_caches = [
             (
@@ -194,7 +196,7 @@ class ModelRunner:
                     start=row,
                     end=row + n,
                     num_context=start,
-                    gather_index=None if start == 0 else torch.from_numpy(blocks).to(self.device),
+                    gather_index=None if start == 0 else self._head_rows(blocks[None]),
                     mask=prefill_mask(start, n, self.sliding_window, self.device),
                 )
             )
@@ -202,8 +204,11 @@ class ModelRunner:
             last_row.append(row - 1)
 
         dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slot_mapping,
+            slot_blocks=slot_mapping // bs,
+            slot_offsets=slot_mapping % bs,
             decode_groups=self._decode_groups(singles),
             prefills=prefills,
             block_size=bs,
@@ -252,10 +257,17 @@ class ModelRunner:
         return DecodeGroup(
             start=start,
             end=end,
-            gather_index=torch.from_numpy(table.reshape(-1)).to(self.device),
+            gather_index=self._head_rows(table),
             num_blocks=nb,
             mask=decode_mask(lens, nb * bs, self.sliding_window),
         )
+
+    def _head_rows(self, table: np.ndarray) -> torch.Tensor:
+        """Block table [n, nb] -> cache rows block * KVH + head, ordered (n, head, block):
+        [n * KVH * nb] int64 on the device."""
+        kvh = self.num_kv_heads
+        rows = table[:, None, :] * kvh + np.arange(kvh, dtype=np.int64)[None, :, None]
+        return torch.from_numpy(rows.reshape(-1)).to(self.device)
 
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:
