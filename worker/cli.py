@@ -23,7 +23,10 @@ def engine_options(fn: F) -> F:
             help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct).",
         ),
         click.option(
-            "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None
+            "--dtype",
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            default=None,
+            help="auto (default): bfloat16 where the hardware has it natively, else float32.",
         ),
         click.option("--device", default=None, help="cpu, cuda or cuda:N."),
         click.option(
@@ -173,7 +176,8 @@ def run_batch(
         raise click.ClickException(str(e)) from e
     info = engine.info
     click.echo(
-        f"kvflow: {info.model_name} on {info.device} ({info.dtype}), {info.num_blocks} KV blocks "
+        f"kvflow: {info.model_name} on {info.device} ({info.dtype}: {info.dtype_reason}; "
+        f"{info.num_threads} threads), {info.num_blocks} KV blocks "
         f"x {info.block_size} tokens, {config.scheduling} scheduling",
         err=True,
     )

@@ -21,8 +21,9 @@ Scheduling = Literal["continuous", "static"]
 DEFAULT_CPU_KV_BYTES = 2 << 30
 CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the model is loaded
 
-CPU_DTYPES = ("float32", "bfloat16")
-CUDA_DTYPES = ("float16", "bfloat16", "float32")
+# "auto": chosen at start-up from what the hardware multiplies natively (worker.hardware).
+CPU_DTYPES = ("auto", "float32", "bfloat16")
+CUDA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class EngineConfig:
     """
 
     model: str | None = None  # HF directory or .gguf file; None = the bundled default
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -63,7 +64,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_tokens_cap: int | None = None  # refuse requests asking for more output than this
     cache_dir: str | None = None  # where converted GGUF models go
-    num_threads: int | None = None  # torch intra-op threads on CPU
+    # torch intra-op threads on CPU; None = the cores this process may use (affinity, cgroup)
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

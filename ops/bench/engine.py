@@ -1,18 +1,29 @@
-"""Engine benchmark: one workload through kvflow and transformers, side by side.
+"""Engine benchmark: one workload through kvflow and its peers, side by side.
 
     python ops/bench/engine.py                       # all four systems, 128 requests
     python ops/bench/engine.py --systems kvflow-continuous,kvflow-static -n 64
+    python ops/bench/engine.py --workload longtail --systems kvflow-continuous \
+        --llama-server /tmp/llama/build/bin/llama-server --profile
 
-Workload: n requests submitted at once; prompts of 16-512 tokens cut from real text
-(no shared prefixes); output lengths long-tailed (lognormal, median 64, clipped to
-8-512), fixed per request with EOS ignored, so every system does the same work.
+Workloads (every request submitted at once, output length fixed per request with EOS
+ignored, so every system does the same work):
+  mixed     n requests (default 128); prompts of 16-512 tokens cut from real text, no
+            shared prefixes; outputs lognormal, median 64, clipped to 8-512.
+  longtail  64 requests; prompts up to 350 tokens, three in four opening with one of
+            four shared preambles; outputs lognormal, median 32, clipped to 8-141
+            (~3,000 tokens): a batch job's shape.
 Systems:
   kvflow-continuous  this engine, iteration-level scheduling
   kvflow-static      this engine, request-level batching (batch runs to its longest member)
   hf-generate        transformers `generate` on static padded batches
   hf-generate-batch  transformers' continuous batching manager (`generate_batch`)
-Prints output tok/s, TTFT / ITL / e2e p50 and p99 per system, the ratios, and kvflow's
-time outside the forward pass at batch >= 32; writes JSON, a Markdown table and a PNG.
+  llama-server       (with --llama-server PATH) llama.cpp's server, same GGUF, at slot
+                     counts --llama-slots; its best slot count is its figure
+Prints output tok/s and computed tok/s (prompt + output), TTFT / ITL / e2e p50 and p99
+per system, the ratios, and kvflow's time outside the forward pass at batch >= 32;
+with --profile, a decode step's time split (linear layers, attention, sampling,
+bookkeeping) at batch 16/32/64 and the linear layers' limit at those batch sizes.
+Writes JSON, a Markdown table and a PNG.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workload import Workload, make_workload
+from workload import Workload, make_longtail_workload, make_workload
 
 from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
@@ -47,6 +58,7 @@ class Result:
     system: str
     wall_s: float
     output_tokens: int
+    prompt_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
@@ -55,6 +67,11 @@ class Result:
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.wall_s
+
+    @property
+    def computed_tok_s(self) -> float:
+        """Prompt and output tokens per second (the prompts' tokens as sent)."""
+        return (self.output_tokens + self.prompt_tokens) / self.wall_s
 
     def q(self, name: str, p: float) -> float:
         xs = sorted(getattr(self, name))
@@ -200,13 +217,13 @@ def run_hf_generate_batch(model, wl: Workload) -> Result:
 def table(results: list[Result], base: str) -> str:
     ref = {r.system: r.tok_s for r in results}
     lines = [
-        "| system | output tok/s | kvflow-continuous ÷ this | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| system | output tok/s | computed tok/s | kvflow-continuous ÷ this | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ratio = ref.get(base, math.nan) / r.tok_s
         lines.append(
-            f"| {r.system} | {r.tok_s:.1f} | {ratio:.2f}x | {r.q('ttft', 50):.1f} / {r.q('ttft', 99):.1f} | "
+            f"| {r.system} | {r.tok_s:.1f} | {r.computed_tok_s:.0f} | {ratio:.2f}x | {r.q('ttft', 50):.1f} / {r.q('ttft', 99):.1f} | "
             f"{r.q('itl', 50) * 1e3:.0f} / {r.q('itl', 99) * 1e3:.0f} | {r.q('e2e', 50):.1f} / {r.q('e2e', 99):.1f} |"
         )
     return "\n".join(lines)
@@ -221,7 +238,9 @@ def plot(results: list[Result], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     names = [r.system for r in results]
     axes[0].bar(
-        names, [r.tok_s for r in results], color=["#2a7", "#7b5", "#c66", "#d94"][: len(results)]
+        names,
+        [r.tok_s for r in results],
+        color=["#2a7", "#7b5", "#c66", "#d94", "#58c", "#999"][: len(results)],
     )
     axes[0].set_ylabel("output tokens / s")
     axes[0].set_title("throughput (same workload)")
@@ -260,7 +279,11 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--workload", choices=("mixed", "longtail"), default="mixed")
+    ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
+    ap.add_argument("--llama-slots", default="1,2,4,8,16")
+    ap.add_argument("--profile", action="store_true", help="profile decode at batch 16/32/64")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args()
     systems = [s for s in args.systems.split(",") if s]
@@ -275,11 +298,14 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     engine = LLMEngine(cfg)
-    wl = make_workload(engine.tokenizer, args.num_requests, args.seed)
+    if args.workload == "longtail":
+        wl = make_longtail_workload(engine.tokenizer, 64, args.seed)
+    else:
+        wl = make_workload(engine.tokenizer, args.num_requests, args.seed)
+    cpu = cpu_model()
     print(
-        f"workload: {len(wl.prompts)} requests, prompt tokens {sum(map(len, wl.prompts))} "
-        f"(16-512 each), output tokens {wl.output_tokens} (median {int(np.median(wl.output_lens))}, "
-        f"max {max(wl.output_lens)}), torch threads {torch.get_num_threads()}",
+        f"workload {args.workload}: {wl.describe()}; {cpu}; kvflow {engine.info.dtype} "
+        f"({engine.info.dtype_reason}), {engine.info.num_threads} threads",
         file=sys.stderr,
     )
     warm = Workload(wl.prompts[:2], [4, 4])
@@ -292,7 +318,7 @@ def main() -> None:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(
-                engine.loaded.path, dtype=getattr(torch, args.dtype)
+                engine.loaded.path, dtype=getattr(torch, engine.info.dtype)
             ).eval()
         return hf_model
 
@@ -309,9 +335,48 @@ def main() -> None:
     )[1]
     runners["hf-generate-batch"] = lambda: run_hf_generate_batch(hf(), wl)
     results = [runners[s]() for s in systems]
+    for r in results:
+        r.prompt_tokens = wl.prompt_tokens
+    peer_runs = []
+    if args.llama_server is not None:
+        from llama_peer import run_peer
+
+        from worker.model.gguf import default_model_path
+
+        slots = tuple(int(s) for s in args.llama_slots.split(","))
+        peer_runs = run_peer(
+            args.llama_server, default_model_path(), wl, slots, engine.info.num_threads
+        )
+        best = max(peer_runs, key=lambda p: p.tok_s)
+        results.append(
+            Result(
+                f"llama-server ({best.slots} slots)",
+                best.wall_s,
+                best.output_tokens,
+                best.prompt_tokens,
+            )
+        )
+    profile_rows = []
+    if args.profile:
+        import step_profile
+
+        prof_engine = LLMEngine(EngineConfig(**asdict(cfg)), loaded=engine.loaded)
+        profile_rows = step_profile.run(
+            prof_engine, (16, 32, 64), lambda m: print(m, file=sys.stderr)
+        )
 
     base = "kvflow-continuous"
-    md = table(results, base)
+    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads.\n\n"
+    md += table(results, base)
+    if peer_runs:
+        md += "\n\nllama-server by slot count (output tok/s): " + ", ".join(
+            f"{p.slots}: {p.tok_s:.1f}" for p in peer_runs
+        )
+    if profile_rows:
+        import step_profile
+
+        md += "\n\nDecode step profile (ms per step, contexts ~256 tokens):\n\n"
+        md += step_profile.table(profile_rows, engine.info.dtype)
     print("\n" + md)
     cont = next((r for r in results if r.system == base), None)
     if cont is not None:
@@ -337,6 +402,7 @@ def main() -> None:
                 {
                     "system": r.system,
                     "output_tok_s": r.tok_s,
+                    "computed_tok_s": r.computed_tok_s,
                     "wall_s": r.wall_s,
                     "output_tokens": r.output_tokens,
                     "ttft_p50": r.q("ttft", 50),
@@ -357,6 +423,22 @@ def main() -> None:
         f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, {args.out / 'engine.png'}",
         file=sys.stderr,
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name, and whether it multiplies bfloat16 natively."""
+    from worker.hardware import NATIVE_BF16_FLAGS, read_cpu_flags
+
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    native = [f for f in NATIVE_BF16_FLAGS if f in read_cpu_flags()]
+    return f"{name} ({', '.join(native) if native else 'no native bf16'})"
 
 
 if __name__ == "__main__":

@@ -71,3 +71,35 @@ def make_workload(
     starts = rng.integers(0, len(stream) - hi - 1, n)
     prompts = [stream[s : s + int(k)] for s, k in zip(starts, prompt_lens, strict=True)]
     return Workload(prompts, [int(x) for x in out_lens])
+
+
+def make_longtail_workload(
+    tokenizer,  # type: ignore[no-untyped-def]
+    n: int = 64,
+    seed: int = 0,
+    max_prompt: int = 350,
+    output_range: tuple[int, int] = (8, 141),
+    output_median: int = 32,
+    shared_fraction: float = 0.75,
+) -> Workload:
+    """n requests at once, as a batch job sends them: outputs lognormal (sigma 0.9)
+    around output_median, clipped to output_range (~3,000 tokens for 64); prompts of
+    up to max_prompt tokens, of which shared_fraction open with one of four shared
+    preambles (80-200 tokens, as a shared instruction or document would) before their
+    own text."""
+    rng = np.random.default_rng(seed)
+    out = np.round(rng.lognormal(math.log(output_median), 0.9, n))
+    out_lens = np.clip(out, *output_range).astype(int)
+    stream = corpus_tokens(tokenizer, 200_000)
+    openings = []
+    for _ in range(4):
+        k = int(rng.integers(80, 201))
+        s = int(rng.integers(0, len(stream) - k - 1))
+        openings.append(stream[s : s + k])
+    prompts: list[list[int]] = []
+    for _ in range(n):
+        head = openings[int(rng.integers(0, 4))] if rng.random() < shared_fraction else []
+        k = int(rng.integers(16, max_prompt - len(head) + 1))
+        s = int(rng.integers(0, len(stream) - k - 1))
+        prompts.append(head + stream[s : s + k])
+    return Workload(prompts, [int(x) for x in out_lens])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.engine import model_runner
 from worker.engine.engine import LLMEngine
+from worker.hardware import detect_cores
 from worker.model.loader import load_model
 from worker.request import FinishReason, SamplingParams
 
@@ -190,14 +190,14 @@ def test_small_cpu_steps_run_on_one_thread(tiny) -> None:
         eng.add_request("many", list(range(3, 40)), SamplingParams(max_tokens=1))
         eng.step()
         assert torch.get_num_threads() == 2
-        # an engine built after a small step left one thread still uses the process's count
+        # an engine built after a small step left one thread uses the cores available
         eng.add_request("two", [5], SamplingParams(max_tokens=1))
         eng.step()
         assert torch.get_num_threads() == 1
         again = make_engine(tiny)
         again.add_request("many", list(range(3, 40)), SamplingParams(max_tokens=1))
         again.step()
-        assert torch.get_num_threads() == model_runner._PROCESS_THREADS
+        assert torch.get_num_threads() == detect_cores()
     finally:
         torch.set_num_threads(before)
 

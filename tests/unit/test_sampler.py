@@ -17,6 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
+from worker.model import candidates as candidates_module
+from worker.model import penalties as penalties_module
 from worker.model import sampler as sampler_module
 from worker.model.sampler import Sampler, SamplerOutput, SamplingRow
 from worker.request import SamplingParams
@@ -296,7 +298,7 @@ def test_top_candidates_are_the_topk(vocab: int) -> None:
     for width in (1, 64, 1024):
         if width >= vocab:
             continue
-        vals, cols = sampler_module._top_candidates(x, width)
+        vals, cols = candidates_module.top_candidates(x, width)
         assert torch.equal(vals, x.topk(width, -1).values)
         assert int(cols.min()) >= 0 and int(cols.max()) < vocab
         assert torch.equal(x.gather(1, cols), vals)
@@ -331,7 +333,7 @@ def test_penalties_match_a_per_row_reference() -> None:
         row(SamplingParams(), prompt=[1, 2], output=[3]),  # no penalties: untouched
     ]
     before = logits.clone()
-    got = sampler_module._penalized(logits, rows, shared=True)
+    got = penalties_module.penalized(logits, rows, shared=True)
     assert torch.equal(logits, before)
     for i, r in enumerate(rows):
         ref = reference_penalties(logits[i], r)

@@ -7,6 +7,7 @@ thread for asyncio callers, `worker.batch` drives it directly.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,9 +22,12 @@ from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput, SchedulerOutput, StepStats
 from worker.engine.scheduler import Scheduler
 from worker.engine.steplog import StepLog
+from worker.hardware import DtypeChoice, choose_dtype, read_cpu_flags
 from worker.limits import RequestLimits
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel, dtype_name, load_model
 from worker.request import Request, RequestStatus, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,21 +58,28 @@ class LLMEngine:
     """Continuous-batching engine over one model."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        if config.num_threads and config.device == "cpu":
-            torch.set_num_threads(config.num_threads)
         self.config = config
         if loaded is None:
+            choice = choose_dtype(
+                config.dtype,
+                config.device,
+                read_cpu_flags(),
+                cuda_bf16=config.device != "cpu" and torch.cuda.is_bf16_supported(),
+            )
             loaded = load_model(
                 config.model,
-                config.dtype,
+                choice.dtype,
                 config.device,
                 max_positions=config.max_model_len,
                 cache_dir=config.cache_dir,
             )
+        else:
+            choice = DtypeChoice(dtype_name(loaded), "the dtype of the model passed in")
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(config, loaded)
+        self.runner = ModelRunner(config, loaded, choice.reason)
         self.info: RuntimeInfo = self.runner.info
+        log.info("dtype %s (%s); %d threads", self.info.dtype, choice.reason, self.info.num_threads)
         self.scheduler = Scheduler(config, self.info.num_blocks, self.info.max_model_len)
         self.limits = RequestLimits(
             self.info.vocab_size, self.scheduler.max_model_len, config.max_tokens_cap

@@ -16,6 +16,7 @@ import torch
 from worker.config import CUDA_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, EngineConfig
 from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.hardware import detect_cores
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -24,7 +25,7 @@ from worker.model.attention import (
     decode_mask,
     prefill_mask,
 )
-from worker.model.loader import DTYPES, LoadedModel
+from worker.model.loader import LoadedModel, activation_dtype, dtype_name
 from worker.model.sampler import Sampler, SamplingRow
 
 # Decode groups: sequences sorted by context length are padded together; a group is
@@ -46,6 +47,8 @@ class RuntimeInfo:
     device: str
     dtype: str
     kv_cache_bytes: int
+    dtype_reason: str = ""
+    num_threads: int = 1  # torch threads for steps of more than SMALL_STEP_TOKENS tokens
 
 
 @dataclass
@@ -61,16 +64,18 @@ class StepInputs:
 
 
 SMALL_STEP_TOKENS = 2  # CPU steps of at most this many tokens run on one thread
-# torch's thread count before any runner changed it (a runner's small step sets 1).
-_PROCESS_THREADS = torch.get_num_threads()
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel, dtype_reason: str = "as loaded"
+    ) -> None:
         self.config = config
         self.model = loaded.model
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        # The KV cache takes the activations' dtype (float32 on CPU, whatever the
+        # linear layers'; config.dtype may be "auto": the engine resolved it before loading).
+        self.dtype = activation_dtype(loaded)
         mcfg = loaded.config
         self.sliding_window = mcfg.sliding_window
         self.block_size = config.block_size
@@ -84,7 +89,9 @@ class ModelRunner:
             * self.dtype.itemsize
         )
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
-        shape = (num_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        self.num_kv_heads = mcfg.num_kv_heads
+        # Head-major blocks (worker.model.attention explains why).
+        shape = (num_blocks, mcfg.num_kv_heads, self.block_size, mcfg.head_dim)
         # Zeroed: padded attention reads unwritten slots (masked, but 0 * NaN is NaN).
         self.kv_caches = [
             (
@@ -98,7 +105,9 @@ class ModelRunner:
         # the idle ones spin between kernels and take a core from the event loop, the
         # broker and the database sharing the machine; such steps run on one thread.
         cpu = self.device.type == "cpu"
-        self._threads = (config.num_threads or _PROCESS_THREADS) if cpu else 1
+        self._threads = (config.num_threads or detect_cores()) if cpu else 1
+        if cpu:
+            torch.set_num_threads(self._threads)
         self.sampler = Sampler(self.device, seed=0)
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
@@ -111,8 +120,10 @@ class ModelRunner:
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             vocab_size=mcfg.vocab_size,
             device=str(self.device),
-            dtype=config.dtype,
+            dtype=dtype_name(loaded),
             kv_cache_bytes=num_blocks * block_bytes,
+            dtype_reason=dtype_reason,
+            num_threads=self._threads,
         )
 
     def _kv_budget(self, config: EngineConfig) -> int:
@@ -185,7 +196,7 @@ class ModelRunner:
                     start=row,
                     end=row + n,
                     num_context=start,
-                    gather_index=None if start == 0 else torch.from_numpy(blocks).to(self.device),
+                    gather_index=None if start == 0 else self._head_rows(blocks[None]),
                     mask=prefill_mask(start, n, self.sliding_window, self.device),
                 )
             )
@@ -193,8 +204,11 @@ class ModelRunner:
             last_row.append(row - 1)
 
         dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slot_mapping,
+            slot_blocks=slot_mapping // bs,
+            slot_offsets=slot_mapping % bs,
             decode_groups=self._decode_groups(singles),
             prefills=prefills,
             block_size=bs,
@@ -243,10 +257,17 @@ class ModelRunner:
         return DecodeGroup(
             start=start,
             end=end,
-            gather_index=torch.from_numpy(table.reshape(-1)).to(self.device),
+            gather_index=self._head_rows(table),
             num_blocks=nb,
             mask=decode_mask(lens, nb * bs, self.sliding_window),
         )
+
+    def _head_rows(self, table: np.ndarray) -> torch.Tensor:
+        """Block table [n, nb] -> cache rows block * KVH + head, ordered (n, head, block):
+        [n * KVH * nb] int64 on the device."""
+        kvh = self.num_kv_heads
+        rows = table[:, None, :] * kvh + np.arange(kvh, dtype=np.int64)[None, :, None]
+        return torch.from_numpy(rows.reshape(-1)).to(self.device)
 
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:

@@ -25,9 +25,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from worker.config import EngineConfig
-from worker.engine.async_engine import Command, EngineFront, StepDriver, StepReport, Stop
+from worker.engine.async_engine import EngineFront
 from worker.engine.engine import Capacity, LLMEngine
 from worker.engine.model_runner import RuntimeInfo
+from worker.engine.step_driver import Command, StepDriver, StepReport, Stop
 from worker.limits import RequestLimits
 from worker.model.tokenizer import Tokenizer
 

@@ -20,7 +20,14 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
 
 
 class Linear(nn.Module):
-    """nn.Linear without the random initialisation: weights always come from a checkpoint."""
+    """nn.Linear without the random initialisation: weights always come from a checkpoint.
+
+    The weights may be in a narrower dtype than the activations (bfloat16 weights with
+    a float32 residual stream on CPU): the input is cast to the weights' dtype for the
+    matmul and the output back, so only the matmul runs narrow. Its rows are then padded
+    to a bucket (`padded_rows`): oneDNN builds a bf16 kernel for every new row count
+    (~10 ms each here), and a continuous batch changes its token count every step.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -28,7 +35,20 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if x.dtype == w.dtype or x.dim() != 2:
+            return F.linear(x, w, self.bias)
+        rows = x.shape[0]
+        xp = x.new_zeros((padded_rows(rows), x.shape[1]), dtype=w.dtype)  # [R', in]
+        xp[:rows] = x
+        return F.linear(xp, w, self.bias)[:rows].to(x.dtype)
+
+
+def padded_rows(rows: int) -> int:
+    """Row count rounded up to one of a few dozen buckets: multiples of 8 up to 64, of
+    32 up to 256, of 128 beyond (at most 1/8 extra work past 64 rows)."""
+    step = 8 if rows <= 64 else 32 if rows <= 256 else 128
+    return -(-rows // step) * step
 
 
 class RMSNorm(nn.Module):
@@ -164,4 +184,4 @@ class LlamaForCausalLM(nn.Module):
         """[S, C] hidden states of the positions that sample -> [S, V] float32 logits."""
         h = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return F.linear(h.to(weight.dtype), weight).float()

@@ -1,0 +1,202 @@
+"""Where a decode step's time goes, and what the linear layers alone allow.
+
+    python ops/bench/step_profile.py                 # batch 16, 32, 64; dtype auto
+
+`profile_decode` fills the engine with `batch` sequences (prompts of `context` tokens),
+then runs decode-only steps under the torch profiler with the model's linear layers,
+attention and the sampler labelled; what is left of a step is bookkeeping (scheduling,
+inputs, output processing) and the model's other ops (norms, rotary, residual adds).
+`linear_limit` times the same linear layers alone on random inputs of the same batch
+size and dtype: the tokens/s a decode step could reach if nothing else cost anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import worker.model.llama as llama_mod
+from worker.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.request import SamplingParams
+
+PHASES = ("linear", "attention", "sampling", "other model ops", "bookkeeping")
+
+
+@dataclass
+class StepProfile:
+    batch: int
+    step_ms: float  # median-free mean over the profiled steps (wall)
+    phases_ms: dict[str, float]  # per step
+
+    @property
+    def tok_s(self) -> float:
+        return self.batch / (self.step_ms / 1000)
+
+
+@contextmanager
+def _labelled(engine: LLMEngine) -> Iterator[None]:
+    """Label linear layers, attention, the forward pass and sampling for the profiler."""
+    saved: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        saved.append((owner, name, fn, name in vars(owner)))
+
+        def labelled(*a: Any, **kw: Any) -> Any:
+            with record_function(label):
+                return fn(*a, **kw)
+
+        setattr(owner, name, labelled)
+
+    wrap(llama_mod, "paged_attention", "kv.attention")
+    wrap(llama_mod.Linear, "forward", "kv.linear")
+    wrap(engine.runner.model, "forward", "kv.forward")
+    wrap(engine.runner.model, "compute_logits", "kv.linear")
+    wrap(engine.runner, "sampler", "kv.sampling")
+    try:
+        yield
+    finally:
+        for owner, name, fn, own in reversed(saved):
+            if own:
+                setattr(owner, name, fn)
+            else:
+                delattr(owner, name)  # a bound method: the class's comes back
+
+
+def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
+    """`batch` requests with `context`-token prompts, all prefilled, ready to decode."""
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.info.vocab_size
+    for i in range(batch):
+        prompt = torch.randint(100, vocab, (context,), generator=g).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        engine.add_request(f"p{batch}-{i}", prompt, params)
+    while True:
+        engine.step()
+        s = engine.last_stats
+        if s is not None and s.num_prefill_tokens == 0 and s.batch_size == batch:
+            return
+
+
+def profile_decode(
+    engine: LLMEngine, batch: int, context: int = 256, steps: int = 8
+) -> StepProfile:
+    """Profile `steps` decode-only steps at `batch` sequences of about `context` tokens."""
+    _fill(engine, batch, context, steps)
+    with _labelled(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps * 1000
+    engine.abort(list(engine.scheduler.requests))
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key.startswith("kv."):
+            totals[e.key] = e.cpu_time_total / 1000 / steps  # ms per step
+    linear = totals.get("kv.linear", 0.0)
+    attention = totals.get("kv.attention", 0.0)
+    forward = totals.get("kv.forward", 0.0)
+    sampling = totals.get("kv.sampling", 0.0)
+    # compute_logits runs outside forward; its time is in "linear" but not "forward".
+    logits = linear - _inside_forward_linear(prof, steps)
+    phases = {
+        "linear": linear,
+        "attention": attention,
+        "sampling": sampling,
+        "other model ops": max(0.0, forward - (linear - logits) - attention),
+        "bookkeeping": max(0.0, wall - forward - logits - sampling),
+    }
+    return StepProfile(batch, wall, phases)
+
+
+def _inside_forward_linear(prof: Any, steps: int) -> float:
+    """ms per step of linear layers run inside the forward pass (not the output projection)."""
+    total = 0.0
+    for e in prof.events():
+        if e.name == "kv.linear" and _has_ancestor(e, "kv.forward"):
+            total += e.cpu_time_total
+    return total / 1000 / steps
+
+
+def _has_ancestor(event: Any, name: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def linear_limit(engine: LLMEngine, batch: int, repeats: int = 5) -> float:
+    """Tokens/s of the model's linear layers alone (decoder layers + output projection)
+    on a [batch, in] input in each layer's own dtype: the best of `repeats` passes."""
+    model = engine.runner.model
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for m in model.modules():
+        if isinstance(m, llama_mod.Linear):
+            layers.append((torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype), m.weight))
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    layers.append((torch.randn(batch, head.shape[1], dtype=head.dtype), head))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for x, w in layers:
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+    return batch / best
+
+
+def run(
+    engine: LLMEngine, batches: tuple[int, ...], progress: Callable[[str], None] | None = None
+) -> list[tuple[StepProfile, float]]:
+    """(profile, linear-layer limit tok/s) for each batch size."""
+    out = []
+    for b in batches:
+        if progress is not None:
+            progress(f"profiling decode at batch {b}")
+        out.append((profile_decode(engine, b), linear_limit(engine, b)))
+    return out
+
+
+def table(rows: list[tuple[StepProfile, float]], dtype: str) -> str:
+    head = "| batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
+    head += f" | linear-layer limit tok/s ({dtype}) | share of limit |"
+    lines = [head, "|" + "---|" * (len(PHASES) + 5)]
+    for p, limit in rows:
+        cells = " | ".join(f"{p.phases_ms[k]:.1f}" for k in PHASES)
+        lines.append(
+            f"| {p.batch} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {limit:.0f} | "
+            f"{p.tok_s / limit:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", default="16,32,64")
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=64))
+    batches = tuple(int(b) for b in args.batches.split(","))
+    rows = run(engine, batches, lambda m: print(m, file=sys.stderr))
+    print(table(rows, engine.info.dtype))
+
+
+if __name__ == "__main__":
+    main()

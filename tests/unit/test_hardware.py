@@ -1,0 +1,58 @@
+"""The dtype and thread decisions, asked about machines described by their facts."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.hardware import (
+    available_cores,
+    cgroup_cpu_limit,
+    choose_dtype,
+    parse_cpu_flags,
+)
+
+AMD_EPYC_FLAGS = frozenset(["fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
+XEON_NO_BF16_FLAGS = frozenset(["fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512ifma"])
+SAPPHIRE_RAPIDS_FLAGS = frozenset(["avx512f", "amx_tile", "amx_int8", "amx_bf16"])
+
+
+def test_auto_picks_bfloat16_only_where_the_cpu_multiplies_it_natively() -> None:
+    amd = choose_dtype("auto", "cpu", AMD_EPYC_FLAGS)
+    assert amd.dtype == "bfloat16" and "avx512_bf16" in amd.reason
+    assert choose_dtype("auto", "cpu", SAPPHIRE_RAPIDS_FLAGS).dtype == "bfloat16"
+    xeon = choose_dtype("auto", "cpu", XEON_NO_BF16_FLAGS)
+    assert xeon.dtype == "float32" and "no native bfloat16" in xeon.reason
+    assert choose_dtype("auto", "cpu", frozenset()).dtype == "float32"
+
+
+def test_an_explicit_dtype_is_kept_whatever_the_cpu() -> None:
+    assert choose_dtype("float32", "cpu", AMD_EPYC_FLAGS).dtype == "float32"
+    assert choose_dtype("bfloat16", "cpu", XEON_NO_BF16_FLAGS).dtype == "bfloat16"
+
+
+def test_auto_on_cuda_follows_the_device() -> None:
+    assert choose_dtype("auto", "cuda", frozenset(), cuda_bf16=True).dtype == "bfloat16"
+    assert choose_dtype("auto", "cuda:1", frozenset(), cuda_bf16=False).dtype == "float16"
+
+
+def test_flags_come_from_the_first_processor() -> None:
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512_bf16 sse\n\n"
+    text += "processor\t: 1\nflags\t\t: fpu\n"
+    assert parse_cpu_flags(text) == frozenset({"fpu", "avx512_bf16", "sse"})
+    assert parse_cpu_flags("no flags here") == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("text", "cores"),
+    [("max 100000", None), ("200000 100000", 2.0), ("150000 100000", 1.5), ("garbage", None)],
+)
+def test_cgroup_cpu_max(text: str, cores: float | None) -> None:
+    assert cgroup_cpu_limit(text) == cores
+
+
+def test_threads_follow_affinity_and_quota_not_the_host() -> None:
+    assert available_cores(affinity=64, cgroup_limit=None) == 64
+    assert available_cores(affinity=64, cgroup_limit=2.0) == 2
+    assert available_cores(affinity=64, cgroup_limit=1.5) == 2  # a part core rounds up
+    assert available_cores(affinity=2, cgroup_limit=8.0) == 2
+    assert available_cores(affinity=0, cgroup_limit=0.5) == 1

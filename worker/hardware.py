@@ -1,0 +1,94 @@
+"""What the machine offers the engine: native bfloat16 or not, and how many cores.
+
+`--dtype auto` (the default) resolves here, once at start-up: bfloat16 where the CPU
+multiplies it natively (AVX-512 BF16 or AMX; on such a CPU torch's bf16 matmul ran
+~3.5x its float32) or on a CUDA device with bf16 support, float32 elsewhere (a CPU
+that emulates bf16 ran the engine ~0.6x as fast as float32). The decision functions
+take the facts as arguments, so tests can ask about any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# CPU flags (as /proc/cpuinfo spells them) that mean bfloat16 matmuls run natively.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype the weights, activations and KV cache use, and why (for the start-up log)."""
+
+    dtype: str
+    reason: str
+
+
+def choose_dtype(
+    requested: str, device: str, cpu_flags: frozenset[str], cuda_bf16: bool = False
+) -> DtypeChoice:
+    """Resolve `requested` ("auto" or a dtype name) for `device` given the hardware facts."""
+    if requested != "auto":
+        return DtypeChoice(requested, "set explicitly")
+    if device != "cpu":
+        if cuda_bf16:
+            return DtypeChoice("bfloat16", "auto: the CUDA device supports bfloat16")
+        return DtypeChoice("float16", "auto: the CUDA device lacks bfloat16")
+    native = [f for f in NATIVE_BF16_FLAGS if f in cpu_flags]
+    if native:
+        return DtypeChoice("bfloat16", f"auto: the CPU has native bfloat16 ({', '.join(native)})")
+    return DtypeChoice(
+        "float32", "auto: the CPU has no native bfloat16 (no avx512_bf16 / amx_bf16)"
+    )
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    return parse_cpu_flags(text)
+
+
+def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str]:
+    """The `flags` line of the first processor in /proc/cpuinfo text."""
+    for line in cpuinfo_text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cgroup_cpu_limit(cpu_max_text: str) -> float | None:
+    """Cores allowed by a cgroup v2 `cpu.max` ("quota period" or "max period"); None: no limit."""
+    parts = cpu_max_text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def available_cores(affinity: int, cgroup_limit: float | None) -> int:
+    """Threads worth running: the CPUs this process may run on, capped by the cgroup quota."""
+    cores = max(1, affinity)
+    if cgroup_limit is not None:
+        # A quota of 1.5 cores lets two threads run most of the time: round up.
+        cores = min(cores, max(1, math.ceil(cgroup_limit)))
+    return cores
+
+
+def detect_cores() -> int:
+    """available_cores() for this process: its affinity mask and its cgroup's cpu.max."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    affinity = affinity or (os.cpu_count() or 1)
+    limit = None
+    with contextlib.suppress(OSError):
+        limit = cgroup_cpu_limit(Path("/sys/fs/cgroup/cpu.max").read_text())
+    return available_cores(affinity, limit)
