@@ -26,8 +26,8 @@ from typing import Any
 from tqdm import tqdm
 
 from worker.config import EngineConfig
-from worker.engine.async_engine import Add, Command, StepDriver, StepReport, Stop
 from worker.engine.engine import LLMEngine
+from worker.engine.step_driver import Add, Command, StepDriver, StepReport, Stop
 from worker.request import SamplingParams
 
 BURSTS = (4, 64, 256)
