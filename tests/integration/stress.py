@@ -396,7 +396,7 @@ class Traffic:
         message = aio_pika.Message(
             body,
             content_type=content_type,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            delivery_mode=props.pop("delivery_mode", aio_pika.DeliveryMode.PERSISTENT),
             message_id=props.pop("message_id", rid),
             correlation_id=corr,
             reply_to=to,
@@ -983,12 +983,8 @@ def fuzz_case(rng: random.Random, i: int, tag: str) -> tuple[str, dict[str, Any]
                 "expect": "complete",
                 "message_id": None,
             }
-        return "no id at all", {
-            "body": pack(data),
-            "rid": None,
-            "expect": "reject",
-            "message_id": None,
-        }
+        # raw frames: aio-pika would give the message an id of its own
+        return "no id at all", {"raw": "no id", "body": pack(data), "rid": None, "expect": "reject"}
     if roll < 94:
         return "raw: non-UTF-8 properties", {
             "raw": True,
@@ -1017,7 +1013,7 @@ async def fuzz(h: Harness, model: Path, n: int, seed: int) -> Tally:
             for i in range(n):
                 kind, args = fuzz_case(rng, i, tag)
                 kinds[kind.split(":")[0].split(" [")[0]] += 1
-                if args.pop("raw", False):
+                if args.get("raw"):
                     await _publish_raw(tr, raw, h, kind, args)
                     continue
                 if args.pop("dup", False):
@@ -1051,17 +1047,21 @@ async def _publish_raw(
     the year 9999 (tests/integration/rawamqp.py)."""
     seq = len(tr.sent)
     rid = args["rid"]
-    which = seq % 3
+    which = -1 if args["raw"] == "no id" else seq % 3
     props: dict[str, Any] = {
         "content_type": CONTENT_TYPE,
         "delivery_mode": 2,
         "headers": {FUZZ_HEADER: seq},
         "reply_to": tr.box.name,
     }
-    if which == 0:  # message_id not UTF-8: the body's id stands
+    patches: tuple[Patch, ...] = ()
+    tag: str | None = None
+    if which == -1:  # no message_id, correlation_id or body id: a dead letter, no reply
+        pass
+    elif which == 0:  # message_id not UTF-8: the body's id stands
         props |= {"message_id": "MIDxx", "correlation_id": f"c{seq}"}
-        patches: tuple[Patch, ...] = (Patch(b"MIDxx", b"\xff\xfe\xfd\xfc\xfb"),)
-        tag: str | None = f"c{seq}"
+        patches = (Patch(b"MIDxx", b"\xff\xfe\xfd\xfc\xfb"),)
+        tag = f"c{seq}"
     elif which == 1:  # correlation_id not UTF-8: the reply is keyed by the body's id
         props |= {"message_id": rid, "correlation_id": "CIDxx"}
         patches = (Patch(b"CIDxx", b"\xc3\x28\xa0\xa1\xff"),)
@@ -1070,5 +1070,5 @@ async def _publish_raw(
         props |= {"message_id": rid, "correlation_id": f"c{seq}", "timestamp": PLACEHOLDER_TIME}
         patches = (Patch(PLACEHOLDER_TIME.timestamp().__int__().to_bytes(8, "big"), HUGE_TIME),)
         tag = f"c{seq}"
-    tr.sent.append(Sent(seq, kind, rid, tag, args["expect"], replies=True))
+    tr.sent.append(Sent(seq, kind, rid, tag, args["expect"], replies=tag is not None))
     await raw.publish(h.topo.exchange, h.topo.queue, args["body"], props, patches)
