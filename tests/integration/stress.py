@@ -1072,3 +1072,110 @@ async def _publish_raw(
         tag = f"c{seq}"
     tr.sent.append(Sent(seq, kind, rid, tag, args["expect"], replies=tag is not None))
     await raw.publish(h.topo.exchange, h.topo.queue, args["body"], props, patches)
+
+
+# -- soak ---------------------------------------------------------------------------------
+
+
+async def soak(h: Harness, model: Path, minutes: float, seed: int = 1) -> Tally:
+    """Mixed traffic (valid requests, one message in four hostile) to two workers for
+    `minutes`, with a fault injected every `fault_every_s` in turn: RabbitMQ restarted,
+    PostgreSQL stopped (until both workers count failed writes), worker B killed with
+    SIGKILL and started again. Worker A is never killed: its resident memory is the
+    figure reported. Then every message is accounted for."""
+    rng = random.Random(seed)
+    fault_every_s = 60.0
+    ports = [free_port(), free_port()]
+    a = h.start("soak-a", model=model, max_num_seqs=8, extra=metrics_args(ports[0]))
+    b = h.start("soak-b", model=model, max_num_seqs=8, extra=metrics_args(ports[1]))
+    await h.ready(a, b)
+    tag = uuid.uuid4().hex[:6]
+    faults: Counter[str] = Counter()
+    unconfirmed = 0
+    rss: list[int] = []
+    async with Traffic(h, f"Soak, {minutes:g} min") as tr:
+        start = time.monotonic()
+        next_fault = start + fault_every_s
+        turn = 0
+        i = 0
+        while time.monotonic() - start < minutes * 60:
+            try:
+                counts = await _statuses_all(h)
+            except Exception:  # the ledger was just restarted: a stale pooled connection
+                await h.db.dispose()
+                await asyncio.sleep(0.5)
+                continue
+            open_rows = counts["queued"] + counts["running"]
+            backlog = len([s for s in tr.sent if s.expect == "complete"]) - counts["completed"]
+            if backlog < 100 and open_rows < 100:
+                for _ in range(25):
+                    kind, args = fuzz_case(rng, i, tag)
+                    i += 1
+                    if rng.random() < 0.75 or args.get("raw") or "duplicate" in kind:
+                        kind, args = (
+                            "valid",
+                            {
+                                "body": encode_request(
+                                    id=f"fz-{tag}-{i}-v",
+                                    prompt_token_ids=[rng.randrange(3, 40000) for _ in range(6)],
+                                    sampling={"max_tokens": rng.randint(1, 24), "ignore_eos": True},
+                                ),
+                                "rid": f"fz-{tag}-{i}-v",
+                                "expect": "complete",
+                            },
+                        )
+                    body = args.pop("body")
+                    try:
+                        await tr.publish(body, kind=kind, **args)
+                    except Exception:
+                        tr.sent.pop()  # the broker may or may not have it: not counted
+                        unconfirmed += 1
+                        await tr.disconnect()
+                        break
+            rss.append(rss_bytes(a.proc.pid))
+            if time.monotonic() >= next_fault:
+                which = ("rabbitmq restart", "postgres outage", "kill -9")[turn % 3]
+                turn += 1
+                await tr.disconnect()
+                if which == "rabbitmq restart":
+                    await restart_rabbitmq(h.amqp_url)
+                elif which == "postgres outage":
+                    async with postgres_down():
+
+                        async def noticed() -> bool:
+                            m = [await asyncio.to_thread(scrape, p) for p in ports]
+                            return all(x.get("kvflow_ledger_write_errors_total", 0) > 0 for x in m)
+
+                        with contextlib.suppress(TimeoutError):
+                            await wait_for("failed ledger writes", noticed, 20, every=0.5)
+                    await h.db.dispose()
+                else:
+                    b.proc.send_signal(signal.SIGKILL)
+                    await b.wait(30)
+                    b = h.start("soak-b", model=model, max_num_seqs=8, extra=metrics_args(ports[1]))
+                    await h.ready(b)
+                faults[which] += 1
+                next_fault = time.monotonic() + fault_every_s
+            await asyncio.sleep(0.5)
+        tally = await tr.settle(timeout=300)
+    tally.notes["faults"] = dict(faults)
+    tally.notes["unconfirmed publishes (not counted)"] = unconfirmed
+    tally.notes["worker A alive"] = a.alive()
+    if len(rss) >= 10:
+        tenth = max(1, len(rss) // 10)
+        first, last = rss[tenth], max(rss[-tenth:])
+        tally.notes["worker A RSS MiB (after warm-up, last tenth max)"] = (
+            round(first / 2**20),
+            round(last / 2**20),
+        )
+    return tally
+
+
+async def _statuses_all(h: Harness) -> Counter[str]:
+    from sqlalchemy import func, select
+
+    from worker.ledger.tables import requests as t
+
+    async with h.db.connect() as conn:
+        result = (await conn.execute(select(t.c.status, func.count()).group_by(t.c.status))).all()
+    return Counter({s: int(n) for s, n in result})
