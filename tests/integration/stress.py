@@ -637,7 +637,8 @@ async def kill_twice(h: Harness, model: Path, n: int = 40, max_tokens: int = 40)
     gate.touch()
     hooks_a = {"KVFLOW_TEST_HOOKS": f'{{"hold_token": {HOLD}, "gate": "{gate}"}}'}
     hooks_b = {"KVFLOW_TEST_HOOKS": f'{{"hold_token": {HOLD}, "gate": "{gate}.never"}}'}
-    b = h.start("kill-b", model=model, max_num_seqs=4, env=hooks_b)
+    port = free_port()
+    b = h.start("kill-b", model=model, max_num_seqs=4, env=hooks_b, extra=metrics_args(port))
     killed: list[list[str]] = []
     ids = [f"kill-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
     async with Traffic(h, "kill -9 of a worker, twice in a row") as tr:
@@ -666,6 +667,8 @@ async def kill_twice(h: Harness, model: Path, n: int = 40, max_tokens: int = 40)
     tally.notes["killed while running"] = [len(k) for k in killed]
     tally.notes["served by B"] = sum(r["worker_id"] == b.id for r in rows.values())
     tally.notes["B alive"] = b.alive()
+    # the outage shows in B's metrics: A's requests reached it redelivered
+    tally.notes["redelivered to B"] = scrape(port).get("kvflow_messages_redelivered_total", 0)
     return tally
 
 

@@ -79,6 +79,7 @@ async def test_a_worker_killed_twice_while_another_serves_loses_nothing(
     assert tally.completed == tally.requests
     assert all(k > 0 for k in tally.notes["killed while running"]), tally.summary()
     assert tally.notes["B alive"], tally.summary()
+    assert tally.notes["redelivered to B"] > 0, tally.summary()
 
 
 # -- load --
