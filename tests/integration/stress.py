@@ -552,12 +552,14 @@ async def _statuses(h: Harness, ids: Sequence[str]) -> Counter[str]:
     return Counter(r["status"] for r in (await h.rows(ids)).values())
 
 
-async def rabbitmq_restart(h: Harness, model: Path, n: int = 60, max_tokens: int = 48) -> Tally:
+async def rabbitmq_restart(
+    h: Harness, model: Path, n: int = 60, max_tokens: int = 48, extra: Sequence[str] = ()
+) -> Tally:
     """Two workers serve `n` requests; RabbitMQ is restarted while some are done and some
-    are running. Returns the tally, with each worker's metrics and log evidence in notes."""
+    are running, then `n // 3` more are published. Returns the tally, with each worker's metrics and log evidence in notes."""
     ports = [free_port(), free_port()]
     ws = [
-        h.start(f"rmq-{i}", model=model, max_num_seqs=4, extra=metrics_args(p))
+        h.start(f"rmq-{i}", model=model, max_num_seqs=4, extra=[*metrics_args(p), *extra])
         for i, p in enumerate(ports)
     ]
     await h.ready(*ws)
@@ -574,6 +576,8 @@ async def rabbitmq_restart(h: Harness, model: Path, n: int = 60, max_tokens: int
         await tr.disconnect()
         before = [scrape(p) for p in ports]
         await restart_rabbitmq(h.amqp_url)
+        for i in range(n // 3):  # and requests published after the restart are served too
+            await tr.request(f"rmq-after-{i}-{uuid.uuid4().hex[:6]}", [1, 2, 3 + i], max_tokens)
         tally = await tr.settle(timeout=120)
     after = [scrape(p) for p in ports]
     tally.notes["redelivered"] = sum(

@@ -59,6 +59,19 @@ async def test_rabbitmq_restart_mid_run_loses_and_repeats_nothing(
 
 
 @pytest.mark.timeout(420)
+async def test_rabbitmq_restart_in_fair_mode_loses_and_repeats_nothing(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """Fair mode consumes through its router (worker/serving/router.py) and pulls from
+    per-client lanes: both come back after the broker restarts."""
+    fair = ["--policy", "fair", "--client-weights", "a=1,b=1"]
+    tally = await stress.rabbitmq_restart(harness, tiny_dir, extra=fair)
+    check(tally)
+    assert tally.completed == tally.requests
+    assert tally.notes["workers alive"] == 2, tally.summary()
+
+
+@pytest.mark.timeout(420)
 async def test_postgres_down_mid_run_loses_and_repeats_nothing(
     harness: Harness, tiny_dir: Path
 ) -> None:
