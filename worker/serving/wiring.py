@@ -99,7 +99,9 @@ async def wire(w: Wiring) -> Serving:
     if lanes is None:
         window = max_seqs + cfg.lookahead
         await w.consume.set_qos(prefetch_count=window)  # the consumer's window
-        queue = await w.consume.get_queue(w.queue, ensure=False)
+        # Declared (passively), not merely named: a robust channel restores the consumers
+        # of the queues it declared after a reconnect, and only those.
+        queue = await w.consume.declare_queue(w.queue, passive=True)
         flow = FlowControl(window, cfg.reserve_blocks)
         parts = (engine, flow, w.drain, settlement, w.metrics, delivery.handle)
         return Serving(replier, settlement, delivery, QueueIntake(queue, *parts, **timing))
@@ -108,7 +110,7 @@ async def wire(w: Wiring) -> Serving:
     parts = (engine, flow, w.drain, settlement, w.metrics, delivery.handle)
     route = await w.connection.channel(publisher_confirms=False)
     await route.set_qos(prefetch_count=ROUTER_WINDOW)
-    source = await route.get_queue(w.queue, ensure=False)
+    source = await route.declare_queue(w.queue, passive=True)  # restored after a reconnect
     router = Router(source, w.publish, w.topology, lanes, w.metrics)
     await router.start()
     pull = [await w.connection.channel(publisher_confirms=False) for _ in range(PULLERS)]
