@@ -62,13 +62,13 @@ def table(tallies: list[Tally], commands: dict[str, str]) -> str:
     """The README's table: one row per scenario."""
     lines = [
         "| fault or input class | messages | completed | rejected (error reply or dead letter) "
-        "| lost | duplicated | unanswered | wrongly dead-lettered | time | command |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| lost | duplicated | repeated replies | unanswered | wrongly dead-lettered | time | command |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for t in tallies:
         lines.append(
             f"| {t.name} | {t.requests} | {t.completed} | {t.rejected} | {t.lost} | "
-            f"{t.duplicated} | {t.unanswered} | {t.dead_lettered} | {t.seconds:.0f} s | "
+            f"{t.duplicated} | {t.repeated} | {t.unanswered} | {t.dead_lettered} | {t.seconds:.0f} s | "
             f"`{commands.get(t.name, '')}` |"
         )
     return "\n".join(lines)

@@ -7,10 +7,19 @@ only then acks the original: nothing is lost, and a copy doubled by a crash betw
 two is answered once by the ledger. It never holds more than its prefetch window, so a
 backlog waits in the lanes, in RabbitMQ. The worker's own intake is told at once that a
 lane has work (`Lanes.has_messages`); other workers find it when they look again.
+
+After RabbitMQ comes back, the robust connection restores its channels one by one: the
+router's consumer may be delivering again before the channel it publishes on is back.
+A message that cannot be routed waits for that channel (bounded), and one that still
+cannot is requeued only after a pause: a requeue counts toward the queue's delivery
+limit, and requeued in a tight loop a message would be dead-lettered within
+milliseconds, never having reached a worker.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -24,6 +33,9 @@ from worker.metrics import MessageEvent, Metrics
 from worker.serving.lanes import Lanes
 
 log = logging.getLogger(__name__)
+
+RESTORE_WAIT_S = 30.0  # how long a message waits for the publishing channel to be back
+REQUEUE_PAUSE_S = 1.0  # before a message that could not be routed goes back
 
 
 class Router:
@@ -63,16 +75,31 @@ class Router:
     async def _route(self, message: AbstractIncomingMessage) -> None:
         client = client_of(_body_client(message.body), message.app_id)
         lane = self.lanes.lane_of(client)
-        try:
-            await self._requeuers[lane.queue].republish(message, {})
-        except Exception as e:  # not confirmed: the original stays the one copy
-            log.warning("could not route a message to %s (%r); requeued", lane.queue, e)
-            await message.nack(requeue=True)
+        error: Exception | None = None
+        for _ in range(2):  # a publish cut by a reconnect is tried once more
+            try:
+                await self._publish_channel_ready()
+                await self._requeuers[lane.queue].republish(message, {})
+                error = None
+                break
+            except Exception as e:  # not confirmed: the original stays the one copy
+                error = e
+        if error is not None:
+            log.warning("could not route a message to %s (%r); requeued", lane.queue, error)
+            await asyncio.sleep(REQUEUE_PAUSE_S)
+            with contextlib.suppress(Exception):  # its channel gone: the broker requeues
+                await message.nack(requeue=True)
             return
         await message.ack()
         self.routed += 1
         self.metrics.on_message(MessageEvent.ROUTED)
         self.lanes.has_messages(lane.client)
+
+    async def _publish_channel_ready(self) -> None:
+        """Wait (bounded) until the publishing channel is open again after a reconnect."""
+        ready = getattr(self.publish, "ready", None)  # robust channels only
+        if ready is not None and self.publish.is_closed:
+            await asyncio.wait_for(ready(), RESTORE_WAIT_S)
 
 
 def _body_client(body: bytes) -> Any:
