@@ -87,6 +87,13 @@ def engine_options(fn: F) -> F:
         ),
         click.option("--max-tokens-cap", type=int, default=None),
         click.option("--threads", type=int, default=None, help="torch threads on CPU."),
+        click.option(
+            "--attention",
+            type=click.Choice(["auto", "native", "torch"]),
+            default=None,
+            help="CPU decode attention: the C kernel reading the paged cache in place "
+            "(native), block gather + matmuls (torch), native where it builds (auto).",
+        ),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -116,6 +123,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "aging_s": kw.pop("aging_s", None),
         "max_tokens_cap": kw.pop("max_tokens_cap", None),
         "num_threads": kw.pop("threads", None),
+        "attention": kw.pop("attention", None),
     }
     try:
         if overrides["client_weights"]:
@@ -177,7 +185,7 @@ def run_batch(
     info = engine.info
     click.echo(
         f"kvflow: {info.model_name} on {info.device} ({info.dtype}: {info.dtype_reason}; "
-        f"{info.num_threads} threads), {info.num_blocks} KV blocks "
+        f"{info.num_threads} threads; attention: {info.attention}), {info.num_blocks} KV blocks "
         f"x {info.block_size} tokens, {config.scheduling} scheduling",
         err=True,
     )

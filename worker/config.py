@@ -24,6 +24,7 @@ CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the model is loaded
 # "auto": chosen at start-up from what the hardware multiplies natively (worker.hardware).
 CPU_DTYPES = ("auto", "float32", "bfloat16")
 CUDA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class EngineConfig:
     cache_dir: str | None = None  # where converted GGUF models go
     # torch intra-op threads on CPU; None = the cores this process may use (affinity, cgroup)
     num_threads: int | None = None
+    # Decode attention on CPU: "native" reads the paged cache in place with the C kernel
+    # (worker.model.native; built on first use), "torch" gathers blocks and runs matmuls,
+    # "auto" takes native where it builds and torch elsewhere (and on CUDA).
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -114,6 +119,10 @@ class EngineConfig:
             bad(f"max_tokens_cap must be positive, got {self.max_tokens_cap}")
         if self.num_threads is not None and self.num_threads < 1:
             bad(f"num_threads must be positive, got {self.num_threads}")
+        if self.attention not in ATTENTION_BACKENDS:
+            bad(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.attention == "native" and self.device != "cpu":
+            bad("attention 'native' is a CPU kernel; on CUDA use 'auto' or 'torch'")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
@@ -193,6 +202,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "max_tokens_cap": int,
     "cache_dir": str,
     "num_threads": int,
+    "attention": str,
 }
 
 

@@ -34,14 +34,17 @@ def _sched(rid: str, tokens: list[int], start: int, n: int, blocks: list[int]) -
     )
 
 
+@pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_logits_match_reference(variant: str, tiny_model_dir) -> None:
+def test_logits_match_reference(variant: str, attention: str, tiny_model_dir) -> None:
+    """Both decode attention paths: the C kernel reading blocks in place, the torch gather."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir(variant)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = EngineConfig(model=str(path), block_size=BS, num_kv_blocks=64)
+    cfg = EngineConfig(model=str(path), block_size=BS, num_kv_blocks=64, attention=attention)
     runner = ModelRunner(cfg, load_model(str(path)))
+    assert runner.info.attention.startswith(attention)
     g = torch.Generator().manual_seed(7)
     a = torch.randint(0, 49152, (30,), generator=g).tolist()
     b = torch.randint(0, 49152, (26,), generator=g).tolist()

@@ -20,12 +20,14 @@ from worker.hardware import detect_cores
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
+    InPlaceDecode,
     PrefillChunk,
     Workspace,
     decode_mask,
     prefill_mask,
 )
 from worker.model.loader import LoadedModel, activation_dtype, dtype_name
+from worker.model.native import MAX_GROUP, NativeKernels, load_native
 from worker.model.sampler import Sampler, SamplingRow
 
 # Decode groups: sequences sorted by context length are padded together; a group is
@@ -49,6 +51,7 @@ class RuntimeInfo:
     kv_cache_bytes: int
     dtype_reason: str = ""
     num_threads: int = 1  # torch threads for steps of more than SMALL_STEP_TOKENS tokens
+    attention: str = "torch"  # the decode attention path and why (for the start-up log)
 
 
 @dataclass
@@ -109,6 +112,9 @@ class ModelRunner:
         if cpu:
             torch.set_num_threads(self._threads)
         self.sampler = Sampler(self.device, seed=0)
+        self.native, attention = self._attention_backend(
+            config, mcfg.num_heads // mcfg.num_kv_heads
+        )
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
@@ -124,7 +130,34 @@ class ModelRunner:
             kv_cache_bytes=num_blocks * block_bytes,
             dtype_reason=dtype_reason,
             num_threads=self._threads,
+            attention=attention,
         )
+
+    def _attention_backend(
+        self, config: EngineConfig, group: int
+    ) -> tuple[NativeKernels | None, str]:
+        """The C decode kernel where it applies and builds, else the torch path; and why."""
+        if config.attention == "torch":
+            return None, "torch (set explicitly)"
+        if self.device.type != "cpu":
+            return None, f"torch (the C kernel is for CPU, not {self.device.type})"
+        if self.dtype != torch.float32 or group > MAX_GROUP:
+            why = (
+                f"KV cache in {self.dtype}"
+                if self.dtype != torch.float32
+                else f"{group} query heads per KV head"
+            )
+            if config.attention == "native":
+                raise ValueError(
+                    f"attention 'native' needs a float32 KV cache and <= {MAX_GROUP} query heads per KV head ({why})"
+                )
+            return None, f"torch (the C kernel does not apply: {why})"
+        loaded = load_native()
+        if loaded.kernels is None:
+            if config.attention == "native":
+                raise ValueError(f"attention 'native' is not available: {loaded.reason}")
+            return None, f"torch ({loaded.reason})"
+        return loaded.kernels, f"native, in place ({loaded.reason})"
 
     def _kv_budget(self, config: EngineConfig) -> int:
         if config.kv_cache_bytes is not None:
@@ -209,8 +242,9 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             slot_blocks=slot_mapping // bs,
             slot_offsets=slot_mapping % bs,
-            decode_groups=self._decode_groups(singles),
+            decode_groups=[] if self.native else self._decode_groups(singles),
             prefills=prefills,
+            in_place=self._in_place(singles) if self.native and singles else None,
             block_size=bs,
             workspace=self.workspace,
         )
@@ -223,6 +257,31 @@ class ModelRunner:
             sampling=[order[i] for i in sampling],
             logit_rows=torch.tensor([last_row[i] for i in sampling], dtype=torch.int64, device=dev),
         )
+
+    def _in_place(self, singles: list[ScheduledRequest]) -> InPlaceDecode:
+        assert self.native is not None
+        ctx, table = self._block_table(singles, np.int32)
+        return InPlaceDecode(
+            kernels=self.native,
+            block_tables=torch.from_numpy(table),
+            context_lens=torch.tensor(ctx, dtype=torch.int32),
+            window=self.sliding_window or 0,
+        )
+
+    def _block_table(
+        self, members: list[ScheduledRequest], dtype: type[np.integer]
+    ) -> tuple[list[int], np.ndarray]:
+        """Context lengths of single-token rows and their block tables [n, max blocks];
+        a short row repeats its last block (any valid block: the keys past its length
+        are masked or never read)."""
+        bs = self.block_size
+        ctx = [s.start + 1 for s in members]
+        table = np.empty((len(members), cdiv(max(ctx), bs)), dtype=dtype)
+        for r, s in enumerate(members):
+            used = cdiv(ctx[r], bs)
+            table[r, :used] = s.block_ids[:used]
+            table[r, used:] = s.block_ids[used - 1]
+        return ctx, table
 
     def _decode_groups(self, singles: list[ScheduledRequest]) -> list[DecodeGroup]:
         """Split length-sorted single-token rows into groups with bounded padding."""
@@ -245,14 +304,8 @@ class ModelRunner:
 
     def _decode_group(self, singles: list[ScheduledRequest], start: int, end: int) -> DecodeGroup:
         bs = self.block_size
-        members = singles[start:end]
-        ctx = [s.start + 1 for s in members]
-        nb = cdiv(max(ctx), bs)
-        table = np.empty((len(members), nb), dtype=np.int64)
-        for r, s in enumerate(members):
-            used = cdiv(ctx[r], bs)
-            table[r, :used] = s.block_ids[:used]
-            table[r, used:] = s.block_ids[used - 1]  # padding: any valid block, masked out
+        ctx, table = self._block_table(singles[start:end], np.int64)
+        nb = table.shape[1]
         lens = torch.tensor(ctx, dtype=torch.int64, device=self.device)
         return DecodeGroup(
             start=start,

@@ -4,9 +4,12 @@ The batch is a flat run of T tokens: first the decode tokens (one per running
 sequence, grouped by context length), then prefill chunks (one contiguous run per
 sequence). Every layer writes its new K/V into the cache through `slot_mapping`, then:
 
-- decode groups gather the blocks of their sequences into a padded scratch tensor and
-  attend with two batched matmuls, the G = heads // kv_heads query heads of a KV head
-  taken as G queries against that head (no K/V repetition for GQA);
+- decode tokens, on CPU, go to the C kernel (worker.model.native) that reads each
+  sequence's blocks in place: one call per layer for all of them, no copy of the context;
+- elsewhere (CUDA, or no C compiler), decode groups gather the blocks of their sequences
+  into a padded scratch tensor and attend with two batched matmuls, the G = heads //
+  kv_heads query heads of a KV head taken as G queries against that head (no K/V
+  repetition for GQA);
 - a prefill chunk of a fresh prompt attends to its own K/V (causal), no gather;
 - a chunk that continues a cached prefix (chunked prefill, prefix-cache hit) gathers
   its sequence's blocks and uses a causal mask shifted by the cached length.
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from worker.model.native import NativeKernels
 
 
 class Workspace:
@@ -67,6 +72,16 @@ class DecodeGroup:
 
 
 @dataclass
+class InPlaceDecode:
+    """Decode tokens [0, n) attended by the C kernel straight from the cache blocks."""
+
+    kernels: NativeKernels
+    block_tables: torch.Tensor  # [n, max_blocks] int32; unused entries are never read
+    context_lens: torch.Tensor  # [n] int32: keys each token sees, itself included
+    window: int  # sliding window in tokens, 0 = none
+
+
+@dataclass
 class PrefillChunk:
     """Prompt tokens [start, end) of one sequence, at positions num_context.. onwards."""
 
@@ -88,6 +103,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] int64: slot_mapping % block_size
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    in_place: InPlaceDecode | None
     block_size: int
     workspace: Workspace
 
@@ -114,6 +130,21 @@ def paged_attention(
     k_runs = k_cache.view(-1, run_elems)  # [num_blocks * KVH, block_size * D]
     v_runs = v_cache.view(-1, run_elems)
     ws = meta.workspace
+
+    if meta.in_place is not None:
+        d = meta.in_place
+        n = d.context_lens.shape[0]
+        # q and out are [T, H, D] contiguous, so their first n rows are too.
+        d.kernels.paged_decode(
+            q[:n].contiguous(),
+            k_cache,
+            v_cache,
+            d.block_tables,
+            d.context_lens,
+            out[:n],
+            scale,
+            d.window,
+        )
 
     for g in meta.decode_groups:
         n = g.end - g.start

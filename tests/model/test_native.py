@@ -1,0 +1,119 @@
+"""The C decode kernel equals the torch path, and its absence is handled, not hidden."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    InPlaceDecode,
+    Workspace,
+    decode_mask,
+    paged_attention,
+)
+from worker.model.native import load_native
+
+
+def _case(n: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 128
+    k_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=g)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=g)
+    lens = torch.randint(1, 6 * bs, (n,), generator=g)
+    lens[0] = 1  # a sequence whose only key is its own
+    max_blocks = int(-(-lens.max() // bs))
+    # distinct blocks per sequence, in a scrambled order
+    tables = torch.randperm(num_blocks, generator=g)[: n * max_blocks].view(n, max_blocks)
+    q = torch.randn(n, heads, dim, generator=g)
+    return q, k_cache, v_cache, tables, lens
+
+
+def _meta(groups: list[DecodeGroup], in_place: InPlaceDecode | None, bs: int) -> AttentionMetadata:
+    empty = torch.empty(0, dtype=torch.int64)  # no new K/V: the caches are filled already
+    return AttentionMetadata(
+        slot_mapping=empty,
+        slot_blocks=empty,
+        slot_offsets=empty,
+        decode_groups=groups,
+        prefills=[],
+        in_place=in_place,
+        block_size=bs,
+        workspace=Workspace(torch.device("cpu"), torch.float32),
+    )
+
+
+def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
+    n, _, dim = q.shape
+    kvh = k_cache.shape[1]
+    rows = (tables[:, None, :] * kvh + torch.arange(kvh)[None, :, None]).reshape(-1)
+    group = DecodeGroup(
+        0, n, rows, tables.shape[1], decode_mask(lens, tables.shape[1] * bs, window)
+    )
+    meta = _meta([group], None, bs)
+    no_kv = torch.empty(0, kvh, dim)
+    return paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, dim**-0.5)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window"),
+    [(9, 3, 64, None), (4, 4, 128, None), (8, 2, 32, None), (6, 1, 64, 7)],
+)
+def test_kernel_equals_the_torch_path(
+    heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
+    bs = 4
+    q, k_cache, v_cache, tables, lens = _case(11, heads, kv_heads, dim, bs, seed=heads * dim)
+    want = _torch_path(q, k_cache, v_cache, tables, lens, bs, window)
+    got = torch.full_like(q, float("nan"))
+    loaded.kernels.paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        tables.to(torch.int32),
+        lens.to(torch.int32),
+        got,
+        dim**-0.5,
+        window or 0,
+    )
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_paged_attention_runs_decode_rows_through_the_kernel() -> None:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    bs = 4
+    q, k_cache, v_cache, tables, lens = _case(5, 6, 2, 64, bs, seed=3)
+    want = _torch_path(q, k_cache, v_cache, tables, lens, bs, None)
+    in_place = InPlaceDecode(loaded.kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
+    meta = _meta([], in_place, bs)
+    no_kv = torch.empty(0, 2, 64)
+    got = paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, 64**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_no_compiler_is_a_reason_not_a_crash(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFLOW_KERNEL_CACHE", str(tmp_path))
+    loaded = load_native(compiler="no-such-compiler-kvflow")
+    assert loaded.kernels is None
+    assert "no C compiler" in loaded.reason and "no-such-compiler-kvflow" in loaded.reason
+
+
+def test_a_failed_build_is_a_reason(tmp_path, monkeypatch) -> None:
+    # `false` exists and fails like a compiler that cannot build the source.
+    monkeypatch.setenv("KVFLOW_KERNEL_CACHE", str(tmp_path))
+    loaded = load_native(compiler="false")
+    assert loaded.kernels is None
+    assert "did not build" in loaded.reason
+    assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+
+
+def test_native_attention_is_refused_on_cuda() -> None:
+    with pytest.raises(ValueError, match="CPU kernel"):
+        EngineConfig(device="cuda", attention="native")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        EngineConfig(attention="fast")

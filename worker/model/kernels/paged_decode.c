@@ -1,0 +1,137 @@
+/* Decode attention read in place from a paged, head-major KV cache (CPU).
+ *
+ * One query token per sequence. For each (sequence, KV head) pair the G = H / KVH query
+ * heads sharing that KV head are scored against the sequence's keys block by block,
+ * straight out of the cache: no gathered copy of the context. Two passes per pair: scores
+ * (all keys), then the softmax-weighted sum of the values, so K and V are each read once.
+ *
+ * Shapes (float32, contiguous):
+ *   q            [n, H, D]            out [n, H, D]
+ *   k_cache      [NB, KVH, BS, D]     v_cache likewise
+ *   block_tables [n, max_blocks] int32 (a sequence's cache blocks in order)
+ *   context_lens [n] int32            (keys visible to the query, its own included)
+ * window > 0 limits the keys to the last `window` positions (sliding-window attention).
+ *
+ * Threads: OpenMP over (sequence, KV head) pairs. The library links libgomp.so.1 by
+ * soname, so inside torch's process it shares torch's OpenMP runtime and thread count.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* D is a parameter of an always-inlined body, instantiated below for the common head
+ * sizes: with D known at compile time the dot products unroll into a few FMAs. */
+static inline __attribute__((always_inline)) int
+decode(const float *q, const float *k_cache, const float *v_cache,
+       const int32_t *block_tables, const int32_t *context_lens, float *out, int n, int H,
+       int KVH, const int D, int BS, int max_blocks, float scale, int window) {
+    const int G = H / KVH;
+    int max_len = 0;
+    for (int i = 0; i < n; i++)
+        if (context_lens[i] > max_len) max_len = context_lens[i];
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* per thread: scores [G, max_len], accumulators [G, D] */
+        float *scores = malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1));
+        float *acc = malloc(sizeof(float) * (size_t)G * (size_t)D);
+        if (scores == NULL || acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int i = 0; i < n; i++) {
+            for (int h = 0; h < KVH; h++) {
+                if (scores == NULL || acc == NULL) continue;
+                const int len = context_lens[i];
+                const int first = (window > 0 && len > window) ? len - window : 0;
+                const int32_t *table = block_tables + (size_t)i * max_blocks;
+                const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
+                float *o = out + ((size_t)i * H + (size_t)h * G) * D;
+                const int m = len - first;
+                if (m <= 0) {
+                    memset(o, 0, sizeof(float) * (size_t)G * D);
+                    continue;
+                }
+                /* pass 1: scores, running max per query head */
+                float mx[64];
+                for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
+                for (int t = first; t < len;) {
+                    const int blk = table[t / BS];
+                    const int off = t % BS;
+                    const int stop = (len - t < BS - off) ? len - t : BS - off;
+                    const float *kb = k_cache + (((size_t)blk * KVH + h) * BS + off) * D;
+                    for (int j = 0; j < stop; j++) {
+                        const float *kr = kb + (size_t)j * D;
+                        for (int g = 0; g < G; g++) {
+                            const float s = dot(qh + (size_t)g * D, kr, D) * scale;
+                            scores[(size_t)g * m + (t - first + j)] = s;
+                            if (s > mx[g]) mx[g] = s;
+                        }
+                    }
+                    t += stop;
+                }
+                /* softmax numerators and their sums */
+                float sum[64];
+                for (int g = 0; g < G; g++) {
+                    float *sg = scores + (size_t)g * m;
+                    float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+                    for (int j = 0; j < m; j++) {
+                        sg[j] = expf(sg[j] - mx[g]);
+                        z += sg[j];
+                    }
+                    sum[g] = z;
+                }
+                /* pass 2: weighted sum of the values */
+                memset(acc, 0, sizeof(float) * (size_t)G * D);
+                for (int t = first; t < len;) {
+                    const int blk = table[t / BS];
+                    const int off = t % BS;
+                    const int stop = (len - t < BS - off) ? len - t : BS - off;
+                    const float *vb = v_cache + (((size_t)blk * KVH + h) * BS + off) * D;
+                    for (int j = 0; j < stop; j++) {
+                        const float *vr = vb + (size_t)j * D;
+                        for (int g = 0; g < G; g++) {
+                            const float p = scores[(size_t)g * m + (t - first + j)];
+                            float *a = acc + (size_t)g * D;
+#pragma omp simd
+                            for (int d = 0; d < D; d++) a[d] += p * vr[d];
+                        }
+                    }
+                    t += stop;
+                }
+                for (int g = 0; g < G; g++) {
+                    const float inv = 1.0f / sum[g];
+                    for (int d = 0; d < D; d++) o[(size_t)g * D + d] = acc[(size_t)g * D + d] * inv;
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed;
+}
+
+int kvflow_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                            const int32_t *block_tables, const int32_t *context_lens,
+                            float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                            float scale, int window) {
+    if (D == 64)
+        return decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, 64, BS,
+                      max_blocks, scale, window);
+    if (D == 128)
+        return decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, 128, BS,
+                      max_blocks, scale, window);
+    return decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
+                  max_blocks, scale, window);
+}
