@@ -14,6 +14,8 @@ ignored, so every system does the same work):
             (~3,000 tokens): a batch job's shape.
 Systems:
   kvflow-continuous  this engine, iteration-level scheduling
+  kvflow-gather      this engine, continuous, decode attention by block gather + matmuls
+                     (--attention torch) instead of the C kernel reading blocks in place
   kvflow-static      this engine, request-level batching (batch runs to its longest member)
   hf-generate        transformers `generate` on static padded batches
   hf-generate-batch  transformers' continuous batching manager (`generate_batch`)
@@ -50,7 +52,13 @@ from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.request import SamplingParams, percentile
 
-SYSTEMS = ("kvflow-continuous", "kvflow-static", "hf-generate", "hf-generate-batch")
+SYSTEMS = (
+    "kvflow-continuous",
+    "kvflow-gather",
+    "kvflow-static",
+    "hf-generate",
+    "hf-generate-batch",
+)
 
 
 @dataclass
@@ -305,7 +313,8 @@ def main() -> None:
     cpu = cpu_model()
     print(
         f"workload {args.workload}: {wl.describe()}; {cpu}; kvflow {engine.info.dtype} "
-        f"({engine.info.dtype_reason}), {engine.info.num_threads} threads",
+        f"({engine.info.dtype_reason}), {engine.info.num_threads} threads, "
+        f"attention {engine.info.attention}",
         file=sys.stderr,
     )
     warm = Workload(wl.prompts[:2], [4, 4])
@@ -322,12 +331,16 @@ def main() -> None:
             ).eval()
         return hf_model
 
-    def kv(mode: str) -> Result:
-        eng = LLMEngine(EngineConfig(**{**asdict(cfg), "scheduling": mode}), loaded=engine.loaded)
+    def kv(mode: str, attention: str = "auto", name: str = "") -> Result:
+        eng = LLMEngine(
+            EngineConfig(**{**asdict(cfg), "scheduling": mode, "attention": attention}),
+            loaded=engine.loaded,
+        )
         run_kvflow(eng, warm, "warmup")
-        return run_kvflow(eng, wl, f"kvflow-{mode}")
+        return run_kvflow(eng, wl, name or f"kvflow-{mode}")
 
     runners["kvflow-continuous"] = lambda: kv("continuous")
+    runners["kvflow-gather"] = lambda: kv("continuous", "torch", "kvflow-gather")
     runners["kvflow-static"] = lambda: kv("static")
     runners["hf-generate"] = lambda: (
         run_hf_generate(hf(), warm, 2, 0),
@@ -357,6 +370,7 @@ def main() -> None:
             )
         )
     profile_rows = []
+    gather_rows = []
     if args.profile:
         import step_profile
 
@@ -364,9 +378,16 @@ def main() -> None:
         profile_rows = step_profile.run(
             prof_engine, (16, 32, 64), lambda m: print(m, file=sys.stderr)
         )
+        if "kvflow-gather" in systems:  # the same steps with the gather path, for the split
+            gather = LLMEngine(
+                EngineConfig(**{**asdict(cfg), "attention": "torch"}), loaded=engine.loaded
+            )
+            gather_rows = step_profile.run(
+                gather, (64,), lambda m: print(m + " (gather)", file=sys.stderr)
+            )
 
     base = "kvflow-continuous"
-    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads.\n\n"
+    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, attention {engine.info.attention}.\n\n"
     md += table(results, base)
     if peer_runs:
         md += "\n\nllama-server by slot count (output tok/s): " + ", ".join(
@@ -377,6 +398,9 @@ def main() -> None:
 
         md += "\n\nDecode step profile (ms per step, contexts ~256 tokens):\n\n"
         md += step_profile.table(profile_rows, engine.info.dtype)
+        if "kvflow-gather" in systems:
+            md += "\n\nThe same at batch 64 with decode attention by block gather (--attention torch):\n\n"
+            md += step_profile.table(gather_rows, engine.info.dtype)
     print("\n" + md)
     cont = next((r for r in results if r.system == base), None)
     if cont is not None:
