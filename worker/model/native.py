@@ -66,6 +66,10 @@ class NativeKernels:
             ctypes.c_float(scale),
             window,
         )
+        if failed == 2:
+            raise ValueError(
+                f"{H} query heads do not group over {KVH} KV heads (at most {MAX_GROUP} each)"
+            )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
 

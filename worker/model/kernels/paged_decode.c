@@ -21,117 +21,119 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float dot(const float *restrict a, const float *restrict b, int d) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < d; i++) s += a[i] * b[i];
-    return s;
-}
+#define MAX_GROUP 64
 
-/* D is a parameter of an always-inlined body, instantiated below for the common head
- * sizes: with D known at compile time the dot products unroll into a few FMAs. */
-static inline __attribute__((always_inline)) int
-decode(const float *q, const float *k_cache, const float *v_cache,
-       const int32_t *block_tables, const int32_t *context_lens, float *out, int n, int H,
-       int KVH, const int D, int BS, int max_blocks, float scale, int window) {
-    const int G = H / KVH;
-    int max_len = 0;
-    for (int i = 0; i < n; i++)
-        if (context_lens[i] > max_len) max_len = context_lens[i];
-    int failed = 0;
-#pragma omp parallel
-    {
-        /* per thread: scores [G, max_len], accumulators [G, D] */
-        float *scores = malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1));
-        float *acc = malloc(sizeof(float) * (size_t)G * (size_t)D);
-        if (scores == NULL || acc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int i = 0; i < n; i++) {
-            for (int h = 0; h < KVH; h++) {
-                if (scores == NULL || acc == NULL) continue;
-                const int len = context_lens[i];
-                const int first = (window > 0 && len > window) ? len - window : 0;
-                const int32_t *table = block_tables + (size_t)i * max_blocks;
-                const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
-                float *o = out + ((size_t)i * H + (size_t)h * G) * D;
-                const int m = len - first;
-                if (m <= 0) {
-                    memset(o, 0, sizeof(float) * (size_t)G * D);
-                    continue;
-                }
-                /* pass 1: scores, running max per query head */
-                float mx[64];
-                for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
-                for (int t = first; t < len;) {
-                    const int blk = table[t / BS];
-                    const int off = t % BS;
-                    const int stop = (len - t < BS - off) ? len - t : BS - off;
-                    const float *kb = k_cache + (((size_t)blk * KVH + h) * BS + off) * D;
-                    for (int j = 0; j < stop; j++) {
-                        const float *kr = kb + (size_t)j * D;
-                        for (int g = 0; g < G; g++) {
-                            const float s = dot(qh + (size_t)g * D, kr, D) * scale;
-                            scores[(size_t)g * m + (t - first + j)] = s;
-                            if (s > mx[g]) mx[g] = s;
-                        }
-                    }
-                    t += stop;
-                }
-                /* softmax numerators and their sums */
-                float sum[64];
-                for (int g = 0; g < G; g++) {
-                    float *sg = scores + (size_t)g * m;
-                    float z = 0.0f;
-#pragma omp simd reduction(+ : z)
-                    for (int j = 0; j < m; j++) {
-                        sg[j] = expf(sg[j] - mx[g]);
-                        z += sg[j];
-                    }
-                    sum[g] = z;
-                }
-                /* pass 2: weighted sum of the values */
-                memset(acc, 0, sizeof(float) * (size_t)G * D);
-                for (int t = first; t < len;) {
-                    const int blk = table[t / BS];
-                    const int off = t % BS;
-                    const int stop = (len - t < BS - off) ? len - t : BS - off;
-                    const float *vb = v_cache + (((size_t)blk * KVH + h) * BS + off) * D;
-                    for (int j = 0; j < stop; j++) {
-                        const float *vr = vb + (size_t)j * D;
-                        for (int g = 0; g < G; g++) {
-                            const float p = scores[(size_t)g * m + (t - first + j)];
-                            float *a = acc + (size_t)g * D;
-#pragma omp simd
-                            for (int d = 0; d < D; d++) a[d] += p * vr[d];
-                        }
-                    }
-                    t += stop;
-                }
-                for (int g = 0; g < G; g++) {
-                    const float inv = 1.0f / sum[g];
-                    for (int d = 0; d < D; d++) o[(size_t)g * D + d] = acc[(size_t)g * D + d] * inv;
-                }
+/* One (sequence, KV head) pair. D is a parameter of an always-inlined function, called
+ * with literal head sizes below: with D known at compile time the dot products and the
+ * value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D]. */
+static inline __attribute__((always_inline)) void
+attend_pair(const float *restrict qh, float *restrict o, const float *restrict k_cache,
+            const float *restrict v_cache, const int32_t *restrict table, int first, int len,
+            int h, int KVH, int G, const int D, int BS, float scale, float *restrict scores,
+            float *restrict acc) {
+    const int m = len - first;
+    if (m <= 0) {
+        memset(o, 0, sizeof(float) * (size_t)G * D);
+        return;
+    }
+    float mx[MAX_GROUP], sum[MAX_GROUP];
+    for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
+    /* pass 1: scores, running max per query head */
+    for (int t = first; t < len;) {
+        const int off = t % BS;
+        const int stop = (len - t < BS - off) ? len - t : BS - off;
+        const float *kb = k_cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D;
+        for (int j = 0; j < stop; j++) {
+            const float *kr = kb + (size_t)j * D;
+            for (int g = 0; g < G; g++) {
+                const float *qg = qh + (size_t)g * D;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qg[d] * kr[d];
+                s *= scale;
+                scores[(size_t)g * m + (t - first + j)] = s;
+                mx[g] = s > mx[g] ? s : mx[g];
             }
         }
-        free(scores);
-        free(acc);
+        t += stop;
     }
-    return failed;
+    /* softmax numerators and their sums */
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + (size_t)g * m;
+        const float mg = mx[g];
+        float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+        for (int j = 0; j < m; j++) {
+            sg[j] = expf(sg[j] - mg);
+            z += sg[j];
+        }
+        sum[g] = z;
+    }
+    /* pass 2: weighted sum of the values */
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = first; t < len;) {
+        const int off = t % BS;
+        const int stop = (len - t < BS - off) ? len - t : BS - off;
+        const float *vb = v_cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D;
+        for (int j = 0; j < stop; j++) {
+            const float *vr = vb + (size_t)j * D;
+            for (int g = 0; g < G; g++) {
+                const float p = scores[(size_t)g * m + (t - first + j)];
+                float *a = acc + (size_t)g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) a[d] += p * vr[d];
+            }
+        }
+        t += stop;
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / sum[g];
+#pragma omp simd
+        for (int d = 0; d < D; d++) o[(size_t)g * D + d] = acc[(size_t)g * D + d] * inv;
+    }
 }
 
 int kvflow_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens,
                             float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
                             float scale, int window) {
-    if (D == 64)
-        return decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, 64, BS,
-                      max_blocks, scale, window);
-    if (D == 128)
-        return decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, 128, BS,
-                      max_blocks, scale, window);
-    return decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
-                  max_blocks, scale, window);
+    const int G = H / KVH;
+    if (G > MAX_GROUP || G * KVH != H) return 2;
+    int max_len = 1;
+    for (int i = 0; i < n; i++)
+        if (context_lens[i] > max_len) max_len = context_lens[i];
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)G * (size_t)max_len);
+        float *acc = malloc(sizeof(float) * (size_t)G * (size_t)D);
+        const int ok = scores != NULL && acc != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int i = 0; i < n; i++) {
+            for (int h = 0; h < KVH; h++) {
+                if (!ok) continue;
+                const int len = context_lens[i];
+                const int first = (window > 0 && len > window) ? len - window : 0;
+                const int32_t *table = block_tables + (size_t)i * max_blocks;
+                const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
+                float *o = out + ((size_t)i * H + (size_t)h * G) * D;
+                if (D == 64)
+                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 64, BS,
+                                scale, scores, acc);
+                else if (D == 128)
+                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 128, BS,
+                                scale, scores, acc);
+                else
+                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, D, BS,
+                                scale, scores, acc);
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed;
 }
