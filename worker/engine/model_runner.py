@@ -141,16 +141,16 @@ class ModelRunner:
             return None, "torch (set explicitly)"
         if self.device.type != "cpu":
             return None, f"torch (the C kernel is for CPU, not {self.device.type})"
-        if self.dtype != torch.float32 or group > MAX_GROUP:
-            why = (
-                f"KV cache in {self.dtype}"
-                if self.dtype != torch.float32
-                else f"{group} query heads per KV head"
-            )
+        why = (
+            f"KV cache in {self.dtype}"
+            if self.dtype != torch.float32
+            else f"{group} query heads per KV head, more than {MAX_GROUP}"
+            if group > MAX_GROUP
+            else None
+        )
+        if why is not None:
             if config.attention == "native":
-                raise ValueError(
-                    f"attention 'native' needs a float32 KV cache and <= {MAX_GROUP} query heads per KV head ({why})"
-                )
+                raise ValueError(f"attention 'native' does not apply: {why}")
             return None, f"torch (the C kernel does not apply: {why})"
         loaded = load_native()
         if loaded.kernels is None:
@@ -242,9 +242,9 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             slot_blocks=slot_mapping // bs,
             slot_offsets=slot_mapping % bs,
-            decode_groups=[] if self.native else self._decode_groups(singles),
+            decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
-            in_place=self._in_place(singles) if self.native and singles else None,
+            in_place=self._in_place(singles) if self.native is not None and singles else None,
             block_size=bs,
             workspace=self.workspace,
         )

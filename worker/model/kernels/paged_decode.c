@@ -23,6 +23,15 @@
 
 #define MAX_GROUP 64
 
+/* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
+ * a pointer to them in the cache and, in *stop, how many. */
+static inline const float *block_run(const float *cache, const int32_t *table, int t, int len,
+                                     int h, int KVH, int BS, int D, int *stop) {
+    const int off = t % BS;
+    *stop = (len - t < BS - off) ? len - t : BS - off;
+    return cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D;
+}
+
 /* One (sequence, KV head) pair. D is a parameter of an always-inlined function, called
  * with literal head sizes below: with D known at compile time the dot products and the
  * value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D]. */
@@ -39,10 +48,8 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
     float mx[MAX_GROUP], sum[MAX_GROUP];
     for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
     /* pass 1: scores, running max per query head */
-    for (int t = first; t < len;) {
-        const int off = t % BS;
-        const int stop = (len - t < BS - off) ? len - t : BS - off;
-        const float *kb = k_cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D;
+    for (int t = first, stop; t < len; t += stop) {
+        const float *kb = block_run(k_cache, table, t, len, h, KVH, BS, D, &stop);
         for (int j = 0; j < stop; j++) {
             const float *kr = kb + (size_t)j * D;
             for (int g = 0; g < G; g++) {
@@ -55,7 +62,6 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
                 mx[g] = s > mx[g] ? s : mx[g];
             }
         }
-        t += stop;
     }
     /* softmax numerators and their sums */
     for (int g = 0; g < G; g++) {
@@ -71,10 +77,8 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
     }
     /* pass 2: weighted sum of the values */
     memset(acc, 0, sizeof(float) * (size_t)G * D);
-    for (int t = first; t < len;) {
-        const int off = t % BS;
-        const int stop = (len - t < BS - off) ? len - t : BS - off;
-        const float *vb = v_cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D;
+    for (int t = first, stop; t < len; t += stop) {
+        const float *vb = block_run(v_cache, table, t, len, h, KVH, BS, D, &stop);
         for (int j = 0; j < stop; j++) {
             const float *vr = vb + (size_t)j * D;
             for (int g = 0; g < G; g++) {
@@ -84,7 +88,6 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
                 for (int d = 0; d < D; d++) a[d] += p * vr[d];
             }
         }
-        t += stop;
     }
     for (int g = 0; g < G; g++) {
         const float inv = 1.0f / sum[g];
