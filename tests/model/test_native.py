@@ -83,6 +83,38 @@ def test_kernel_equals_the_torch_path(
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def test_kernel_reads_a_bfloat16_cache() -> None:
+    """With a bf16 cache the kernel widens each value as it reads it and computes in
+    float32: it equals the float32 path run on the same (widened) values."""
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    bs = 4
+    q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=11)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    want = _torch_path(q, k16.float(), v16.float(), tables, lens, bs, None)
+    got = torch.full_like(q, float("nan"))
+    args = (tables.to(torch.int32), lens.to(torch.int32), got, 64**-0.5, 0)
+    loaded.kernels.paged_decode(q, k16, v16, *args)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        loaded.kernels.paged_decode(q, k_cache.half(), v_cache.half(), *args)
+
+
+def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel() -> None:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    bs = 4
+    q, k_cache, v_cache, tables, lens = _case(5, 6, 2, 64, bs, seed=4)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    want = _torch_path(q.float(), k_cache.float(), v_cache.float(), tables, lens, bs, None)
+    in_place = InPlaceDecode(loaded.kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
+    meta = _meta([], in_place, bs)
+    no_kv = torch.empty(0, 2, 64, dtype=torch.bfloat16)
+    got = paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, 64**-0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)  # bf16 rounding of out
+
+
 def test_paged_attention_runs_decode_rows_through_the_kernel() -> None:
     loaded = load_native()
     assert loaded.kernels is not None, loaded.reason

@@ -27,7 +27,7 @@ from worker.model.attention import (
     prefill_mask,
 )
 from worker.model.loader import LoadedModel, activation_dtype, dtype_name
-from worker.model.native import MAX_GROUP, NativeKernels, load_native
+from worker.model.native import KV_DTYPES, MAX_GROUP, NativeKernels, load_native
 from worker.model.sampler import Sampler, SamplingRow
 
 # Decode groups: sequences sorted by context length are padded together; a group is
@@ -143,7 +143,7 @@ class ModelRunner:
             return None, f"torch (the C kernel is for CPU, not {self.device.type})"
         why = (
             f"KV cache in {self.dtype}"
-            if self.dtype != torch.float32
+            if self.dtype not in KV_DTYPES
             else f"{group} query heads per KV head, more than {MAX_GROUP}"
             if group > MAX_GROUP
             else None

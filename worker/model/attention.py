@@ -134,17 +134,24 @@ def paged_attention(
     if meta.in_place is not None:
         d = meta.in_place
         n = d.context_lens.shape[0]
-        # q and out are [T, H, D] contiguous, so their first n rows are too.
+        # q and out are [T, H, D] contiguous, so their first n rows are too. The kernel
+        # computes in float32 whatever the cache holds: a bf16 model's rows go through a
+        # float32 copy ([n, H, D], small next to the context it reads).
+        wide = q.dtype == torch.float32
+        q_n = q[:n] if wide else q[:n].float()
+        out_n = out[:n] if wide else torch.empty_like(q_n)
         d.kernels.paged_decode(
-            q[:n].contiguous(),
+            q_n.contiguous(),
             k_cache,
             v_cache,
             d.block_tables,
             d.context_lens,
-            out[:n],
+            out_n,
             scale,
             d.window,
         )
+        if not wide:
+            out[:n] = out_n
 
     for g in meta.decode_groups:
         n = g.end - g.start

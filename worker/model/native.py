@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
+KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and out: float32)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class NativeKernels:
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
+        v_cache: torch.Tensor,  # like k_cache
         block_tables: torch.Tensor,  # [n, max_blocks] int32
         context_lens: torch.Tensor,  # [n] int32
         out: torch.Tensor,  # [n, H, D] float32, contiguous
@@ -50,7 +51,14 @@ class NativeKernels:
     ) -> None:
         n, H, D = q.shape
         _, KVH, BS, _ = k_cache.shape
-        failed = self.lib.kvflow_paged_decode_f32(
+        if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"the C kernel reads a float32 or bfloat16 cache, not {k_cache.dtype}")
+        entry = (
+            self.lib.kvflow_paged_decode_bf16
+            if k_cache.dtype == torch.bfloat16
+            else (self.lib.kvflow_paged_decode_f32)
+        )
+        failed = entry(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -116,9 +124,9 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     except OSError as e:
         target.unlink(missing_ok=True)  # rebuilt next time rather than failing for ever
         return NativeLoad(None, f"the C kernels did not load ({e})")
-    fn = lib.kvflow_paged_decode_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    for fn in (lib.kvflow_paged_decode_f32, lib.kvflow_paged_decode_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

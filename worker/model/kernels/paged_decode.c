@@ -5,12 +5,15 @@
  * straight out of the cache: no gathered copy of the context. Two passes per pair: scores
  * (all keys), then the softmax-weighted sum of the values, so K and V are each read once.
  *
- * Shapes (float32, contiguous):
- *   q            [n, H, D]            out [n, H, D]
- *   k_cache      [NB, KVH, BS, D]     v_cache likewise
+ * Shapes (contiguous):
+ *   q            [n, H, D] float32    out [n, H, D] float32
+ *   k_cache      [NB, KVH, BS, D]     v_cache likewise: float32 (kvflow_paged_decode_f32)
+ *                                     or bfloat16 (kvflow_paged_decode_bf16)
  *   block_tables [n, max_blocks] int32 (a sequence's cache blocks in order)
  *   context_lens [n] int32            (keys visible to the query, its own included)
  * window > 0 limits the keys to the last `window` positions (sliding-window attention).
+ * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
+ * a float32): scores, softmax and sums stay float32.
  *
  * Threads: OpenMP over (sequence, KV head) pairs. The library links libgomp.so.1 by
  * soname, so inside torch's process it shares torch's OpenMP runtime and thread count.
@@ -23,23 +26,37 @@
 
 #define MAX_GROUP 64
 
-/* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
- * a pointer to them in the cache and, in *stop, how many. */
-static inline const float *block_run(const float *cache, const int32_t *table, int t, int len,
-                                     int h, int KVH, int BS, int D, int *stop) {
-    const int off = t % BS;
-    *stop = (len - t < BS - off) ? len - t : BS - off;
-    return cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D;
+/* Element i of a cache row: float32, or bfloat16 widened (bf16 is a compile-time
+ * constant wherever this is inlined, so the test folds away). */
+static inline __attribute__((always_inline)) float kv_at(const void *row, int i, const int bf16) {
+    if (bf16) {
+        union {
+            uint32_t u;
+            float f;
+        } x = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
+        return x.f;
+    }
+    return ((const float *)row)[i];
 }
 
-/* One (sequence, KV head) pair. D is a parameter of an always-inlined function, called
- * with literal head sizes below: with D known at compile time the dot products and the
+/* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
+ * a pointer to them in the cache and, in *stop, how many. */
+static inline const char *block_run(const void *cache, size_t elem, const int32_t *table, int t,
+                                    int len, int h, int KVH, int BS, int D, int *stop) {
+    const int off = t % BS;
+    *stop = (len - t < BS - off) ? len - t : BS - off;
+    return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D * elem;
+}
+
+/* One (sequence, KV head) pair. D and bf16 are parameters of an always-inlined function,
+ * called with literals below: with them known at compile time the dot products and the
  * value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D]. */
 static inline __attribute__((always_inline)) void
-attend_pair(const float *restrict qh, float *restrict o, const float *restrict k_cache,
-            const float *restrict v_cache, const int32_t *restrict table, int first, int len,
-            int h, int KVH, int G, const int D, int BS, float scale, float *restrict scores,
-            float *restrict acc) {
+attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
+            const void *restrict v_cache, const int32_t *restrict table, int first, int len,
+            int h, int KVH, int G, const int D, const int bf16, int BS, float scale,
+            float *restrict scores, float *restrict acc) {
+    const size_t elem = bf16 ? 2 : 4;
     const int m = len - first;
     if (m <= 0) {
         memset(o, 0, sizeof(float) * (size_t)G * D);
@@ -49,14 +66,14 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
     for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
-        const float *kb = block_run(k_cache, table, t, len, h, KVH, BS, D, &stop);
+        const char *kb = block_run(k_cache, elem, table, t, len, h, KVH, BS, D, &stop);
         for (int j = 0; j < stop; j++) {
-            const float *kr = kb + (size_t)j * D;
+            const void *kr = kb + (size_t)j * D * elem;
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + (size_t)g * D;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * kr[d];
+                for (int d = 0; d < D; d++) s += qg[d] * kv_at(kr, d, bf16);
                 s *= scale;
                 scores[(size_t)g * m + (t - first + j)] = s;
                 mx[g] = s > mx[g] ? s : mx[g];
@@ -78,14 +95,14 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
     /* pass 2: weighted sum of the values */
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
-        const float *vb = block_run(v_cache, table, t, len, h, KVH, BS, D, &stop);
+        const char *vb = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
         for (int j = 0; j < stop; j++) {
-            const float *vr = vb + (size_t)j * D;
+            const void *vr = vb + (size_t)j * D * elem;
             for (int g = 0; g < G; g++) {
                 const float p = scores[(size_t)g * m + (t - first + j)];
                 float *a = acc + (size_t)g * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += p * vr[d];
+                for (int d = 0; d < D; d++) a[d] += p * kv_at(vr, d, bf16);
             }
         }
     }
@@ -96,10 +113,10 @@ attend_pair(const float *restrict qh, float *restrict o, const float *restrict k
     }
 }
 
-int kvflow_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens,
-                            float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
-                            float scale, int window) {
+static inline __attribute__((always_inline)) int
+paged_decode(const float *q, const void *k_cache, const void *v_cache,
+             const int32_t *block_tables, const int32_t *context_lens, float *out, int n, int H,
+             int KVH, int D, int BS, int max_blocks, float scale, int window, const int bf16) {
     const int G = H / KVH;
     if (G > MAX_GROUP || G * KVH != H) return 2;
     int max_len = 1;
@@ -125,18 +142,34 @@ int kvflow_paged_decode_f32(const float *q, const float *k_cache, const float *v
                 const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
                 float *o = out + ((size_t)i * H + (size_t)h * G) * D;
                 if (D == 64)
-                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 64, BS,
-                                scale, scores, acc);
+                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 64, bf16,
+                                BS, scale, scores, acc);
                 else if (D == 128)
-                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 128, BS,
-                                scale, scores, acc);
+                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 128, bf16,
+                                BS, scale, scores, acc);
                 else
-                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, D, BS,
-                                scale, scores, acc);
+                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, D, bf16,
+                                BS, scale, scores, acc);
             }
         }
         free(scores);
         free(acc);
     }
     return failed;
+}
+
+int kvflow_paged_decode_f32(const float *q, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, const int32_t *context_lens,
+                            float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                            float scale, int window) {
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
+                        max_blocks, scale, window, 0);
+}
+
+int kvflow_paged_decode_bf16(const float *q, const void *k_cache, const void *v_cache,
+                             const int32_t *block_tables, const int32_t *context_lens,
+                             float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                             float scale, int window) {
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
+                        max_blocks, scale, window, 1);
 }
