@@ -94,6 +94,13 @@ def engine_options(fn: F) -> F:
             help="CPU decode attention: the C kernel reading the paged cache in place "
             "(native), block gather + matmuls (torch), native where it builds (auto).",
         ),
+        click.option(
+            "--kv-cache-dtype",
+            type=click.Choice(["auto", "float32", "bfloat16"]),
+            default=None,
+            help="KV cache dtype on CPU: auto is bfloat16 with bf16 linear layers and the "
+            "native attention kernel (twice the blocks in the same memory), else float32.",
+        ),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -124,6 +131,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "max_tokens_cap": kw.pop("max_tokens_cap", None),
         "num_threads": kw.pop("threads", None),
         "attention": kw.pop("attention", None),
+        "kv_cache_dtype": kw.pop("kv_cache_dtype", None),
     }
     try:
         if overrides["client_weights"]:
@@ -186,7 +194,7 @@ def run_batch(
     click.echo(
         f"kvflow: {info.model_name} on {info.device} ({info.dtype}: {info.dtype_reason}; "
         f"{info.num_threads} threads; attention: {info.attention}), {info.num_blocks} KV blocks "
-        f"x {info.block_size} tokens, {config.scheduling} scheduling",
+        f"x {info.block_size} tokens in {info.kv_cache_dtype}, {config.scheduling} scheduling",
         err=True,
     )
     if str(output_path) == "-":

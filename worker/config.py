@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from worker.hardware import KV_CACHE_DTYPES
 from worker.limits import QUEUE_DEFAULT_MAX_TOKENS
 
 Policy = Literal["fcfs", "priority", "fair"]
@@ -71,6 +72,9 @@ class EngineConfig:
     # (worker.model.native; built on first use), "torch" gathers blocks and runs matmuls,
     # "auto" takes native where it builds and torch elsewhere (and on CUDA).
     attention: str = "auto"
+    # The KV cache's dtype on CPU: "auto" is bfloat16 with bf16 linear layers and the C
+    # decode kernel, float32 otherwise (worker.hardware.choose_kv_dtype); on CUDA, auto.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -123,6 +127,8 @@ class EngineConfig:
             bad(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.attention == "native" and self.device != "cpu":
             bad("attention 'native' is a CPU kernel; on CUDA use 'auto' or 'torch'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
@@ -203,6 +209,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "cache_dir": str,
     "num_threads": int,
     "attention": str,
+    "kv_cache_dtype": str,
 }
 
 

@@ -45,6 +45,32 @@ def choose_dtype(
     )
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def choose_kv_dtype(
+    requested: str, device: str, linear_dtype: str, activation_dtype: str, native: bool
+) -> DtypeChoice:
+    """The KV cache's dtype. On CPU the activations stay float32; with bfloat16 linear
+    layers and the C decode kernel (which widens bf16 to float32 as it reads), "auto"
+    stores K/V in bfloat16: half the bytes per block, so twice the blocks in the same
+    memory, and decode attention reads half as much. On CUDA the cache takes the model's
+    dtype."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
+    if device != "cpu":
+        if requested not in ("auto", activation_dtype):
+            raise ValueError(
+                f"on {device} the KV cache takes the model's dtype ({activation_dtype})"
+            )
+        return DtypeChoice(activation_dtype, "the model's dtype")
+    if requested != "auto":
+        return DtypeChoice(requested, "set explicitly")
+    if linear_dtype == "bfloat16" and native:
+        return DtypeChoice("bfloat16", "auto: bfloat16 linear layers and the C decode kernel")
+    return DtypeChoice(activation_dtype, "auto: the activations' dtype")
+
+
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:

@@ -314,7 +314,7 @@ def main() -> None:
     print(
         f"workload {args.workload}: {wl.describe()}; {cpu}; kvflow {engine.info.dtype} "
         f"({engine.info.dtype_reason}), {engine.info.num_threads} threads, "
-        f"attention {engine.info.attention}",
+        f"attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}",
         file=sys.stderr,
     )
     warm = Workload(wl.prompts[:2], [4, 4])
@@ -387,7 +387,7 @@ def main() -> None:
             )
 
     base = "kvflow-continuous"
-    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, attention {engine.info.attention}.\n\n"
+    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
     md += table(results, base)
     if peer_runs:
         md += "\n\nllama-server by slot count (output tok/s): " + ", ".join(

@@ -192,9 +192,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=64, attention=args.attention))
-    print(f"attention: {engine.info.attention}", file=sys.stderr)
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=args.dtype,
+            max_num_seqs=64,
+            attention=args.attention,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    )
+    info = engine.info
+    print(f"attention: {info.attention}; KV cache: {info.kv_cache_dtype}", file=sys.stderr)
     batches = tuple(int(b) for b in args.batches.split(","))
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr))
     print(table(rows, engine.info.dtype))

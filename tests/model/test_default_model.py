@@ -81,3 +81,44 @@ def test_bfloat16_next_token_agrees_with_float32(default_model_dir) -> None:
         total += len(out.token_ids)
     assert total == 64 * len(PROMPTS)
     assert agree / total >= 0.99, f"bf16 agrees on {agree}/{total} next tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: str) -> None:
+    """Teacher forcing through decode steps (each position one token, read back from the
+    KV cache as a running sequence is): with bf16 linear layers and a float32 or bf16
+    cache, the next token equals float32's greedy pick at >= 99% of positions."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="float32"))
+    tok = engine.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+
+    cfg = EngineConfig(num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, attention="native")
+    bf16 = ModelRunner(cfg, load_model(str(default_model_dir), dtype="bfloat16"))
+    assert bf16.kv_dtype == getattr(torch, kv_cache_dtype)
+    seqs = [p + o.token_ids for p, o in zip(ids, ours, strict=True)]
+    blocks = [list(range(i * 16, (i + 1) * 16)) for i in range(len(seqs))]  # 256 tokens each
+
+    def sched(i: int, start: int, n: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request_id=str(i),
+            token_ids=seqs[i],
+            start=start,
+            num_new_tokens=n,
+            block_ids=blocks[i],
+            num_prompt_tokens=len(ids[i]),
+            sampling_params=SamplingParams(temperature=0.0),
+            eos_token_ids=(),
+        )
+
+    bf16.all_logits([sched(i, 0, len(ids[i]) - 1) for i in range(len(seqs))])
+    agree = total = 0
+    for k in range(64):  # position len(prompt) - 1 + k predicts output token k
+        rows = [sched(i, len(ids[i]) - 1 + k, 1) for i in range(len(seqs))]
+        logits = bf16.all_logits(rows)
+        for i, out in enumerate(ours):
+            agree += int(logits[str(i)][-1].argmax()) == out.token_ids[k]
+            total += 1
+    assert total == 64 * len(PROMPTS)
+    assert agree / total >= 0.99, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"

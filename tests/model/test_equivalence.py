@@ -106,20 +106,29 @@ def test_bfloat16_close_to_reference(tiny_model_dir) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("attention", ["native", "torch"])
-def test_bfloat16_decode_close_to_reference(attention: str, tiny_model_dir) -> None:
-    """A bf16 model's decode rows, through either attention path (the C kernel reads the
-    bf16 cache and computes in float32), stay as close to transformers' bf16 model as its
-    prefill does."""
+def test_bfloat16_decode_close_to_reference(
+    attention: str, kv_cache_dtype: str, tiny_model_dir
+) -> None:
+    """bf16 linear layers' decode rows, through either attention path and either cache
+    dtype (a bf16 cache is widened to float32 where it is read), stay as close to
+    transformers' bf16 model as its prefill does."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("smollm2")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     cfg = EngineConfig(
-        model=str(path), block_size=BS, num_kv_blocks=32, dtype="bfloat16", attention=attention
+        model=str(path),
+        block_size=BS,
+        num_kv_blocks=32,
+        dtype="bfloat16",
+        attention=attention,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
     assert runner.info.attention.startswith(attention)
+    assert runner.kv_dtype == getattr(torch, kv_cache_dtype)
     toks = torch.randint(0, 49152, (28,), generator=torch.Generator().manual_seed(5)).tolist()
     want = _ref_logits(ref, toks)
     blocks = list(range(7))

@@ -149,3 +149,24 @@ def test_native_attention_is_refused_on_cuda() -> None:
         EngineConfig(device="cuda", attention="native")
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="fast")
+
+
+def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) -> None:
+    """Beside bf16 linear layers and the kernel, auto stores K/V in bfloat16: the same
+    memory holds twice the blocks, and the start-up facts say so."""
+    from worker.engine.model_runner import ModelRunner
+    from worker.model.loader import load_model
+
+    path = str(tiny_model_dir("smollm2"))
+    runners = {
+        kv: ModelRunner(
+            EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv),
+            load_model(path, dtype="bfloat16"),
+        )
+        for kv in ("auto", "float32")
+    }
+    auto, wide = runners["auto"], runners["float32"]
+    assert auto.kv_dtype == torch.bfloat16 and wide.kv_dtype == torch.float32
+    assert auto.info.kv_cache_dtype.startswith("bfloat16 (auto")
+    assert auto.info.num_blocks == 2 * wide.info.num_blocks
+    assert all(k.dtype == torch.bfloat16 for k, _ in auto.kv_caches)

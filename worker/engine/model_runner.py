@@ -16,7 +16,7 @@ import torch
 from worker.config import CUDA_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, EngineConfig
 from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from worker.hardware import detect_cores
+from worker.hardware import choose_kv_dtype, detect_cores
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -26,7 +26,7 @@ from worker.model.attention import (
     decode_mask,
     prefill_mask,
 )
-from worker.model.loader import LoadedModel, activation_dtype, dtype_name
+from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import KV_DTYPES, MAX_GROUP, NativeKernels, load_native
 from worker.model.sampler import Sampler, SamplingRow
 
@@ -52,6 +52,7 @@ class RuntimeInfo:
     dtype_reason: str = ""
     num_threads: int = 1  # torch threads for steps of more than SMALL_STEP_TOKENS tokens
     attention: str = "torch"  # the decode attention path and why (for the start-up log)
+    kv_cache_dtype: str = "float32"  # the KV cache's dtype and why (likewise)
 
 
 @dataclass
@@ -76,12 +77,22 @@ class ModelRunner:
         self.config = config
         self.model = loaded.model
         self.device = torch.device(config.device)
-        # The KV cache takes the activations' dtype (float32 on CPU, whatever the
-        # linear layers'; config.dtype may be "auto": the engine resolved it before loading).
-        self.dtype = activation_dtype(loaded)
+        act_dtype = activation_dtype(loaded)  # float32 on CPU, whatever the linear layers'
         mcfg = loaded.config
         self.sliding_window = mcfg.sliding_window
         self.block_size = config.block_size
+        cpu = self.device.type == "cpu"
+        self.native, attention = self._attention_backend(
+            config, act_dtype, mcfg.num_heads // mcfg.num_kv_heads
+        )
+        kv = choose_kv_dtype(
+            config.kv_cache_dtype,
+            self.device.type,
+            dtype_name(loaded),
+            DTYPE_NAMES[act_dtype],
+            self.native is not None,
+        )
+        self.kv_dtype = DTYPES[kv.dtype]  # the KV cache's
         # bytes of K and V for one block across all layers
         block_bytes = (
             2
@@ -89,7 +100,7 @@ class ModelRunner:
             * self.block_size
             * mcfg.num_kv_heads
             * mcfg.head_dim
-            * self.dtype.itemsize
+            * self.kv_dtype.itemsize
         )
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
         self.num_kv_heads = mcfg.num_kv_heads
@@ -98,23 +109,19 @@ class ModelRunner:
         # Zeroed: padded attention reads unwritten slots (masked, but 0 * NaN is NaN).
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(mcfg.num_layers)
         ]
-        self.workspace = Workspace(self.device, self.dtype)
+        self.workspace = Workspace(self.device, self.kv_dtype)
         # CPU: a step of one or two tokens runs no faster on several OpenMP threads, but
         # the idle ones spin between kernels and take a core from the event loop, the
         # broker and the database sharing the machine; such steps run on one thread.
-        cpu = self.device.type == "cpu"
         self._threads = (config.num_threads or detect_cores()) if cpu else 1
         if cpu:
             torch.set_num_threads(self._threads)
         self.sampler = Sampler(self.device, seed=0)
-        self.native, attention = self._attention_backend(
-            config, mcfg.num_heads // mcfg.num_kv_heads
-        )
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
@@ -131,10 +138,11 @@ class ModelRunner:
             dtype_reason=dtype_reason,
             num_threads=self._threads,
             attention=attention,
+            kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
         )
 
     def _attention_backend(
-        self, config: EngineConfig, group: int
+        self, config: EngineConfig, act_dtype: torch.dtype, group: int
     ) -> tuple[NativeKernels | None, str]:
         """The C decode kernel where it applies and builds, else the torch path; and why."""
         if config.attention == "torch":
@@ -142,8 +150,8 @@ class ModelRunner:
         if self.device.type != "cpu":
             return None, f"torch (the C kernel is for CPU, not {self.device.type})"
         why = (
-            f"KV cache in {self.dtype}"
-            if self.dtype not in KV_DTYPES
+            f"activations in {act_dtype}"
+            if act_dtype not in KV_DTYPES
             else f"{group} query heads per KV head, more than {MAX_GROUP}"
             if group > MAX_GROUP
             else None

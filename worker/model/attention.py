@@ -121,9 +121,11 @@ def paged_attention(
     _, H, D = q.shape
     kvh = k.shape[1]
     group = H // kvh
-    # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is.
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is. The
+    # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
+    # stream on CPU): values are rounded as they are stored, and widened where read.
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
     out = torch.empty_like(q)
     run_elems = meta.block_size * D  # one head's keys in one block
@@ -135,7 +137,7 @@ def paged_attention(
         d = meta.in_place
         n = d.context_lens.shape[0]
         # q and out are [T, H, D] contiguous, so their first n rows are too. The kernel
-        # computes in float32 whatever the cache holds: a bf16 model's rows go through a
+        # computes in float32 whatever the cache holds: bf16 activations go through a
         # float32 copy ([n, H, D], small next to the context it reads).
         wide = q.dtype == torch.float32
         q_n = q[:n] if wide else q[:n].float()
@@ -159,8 +161,8 @@ def paged_attention(
         rows = g.gather_index.numel()
         kg = torch.index_select(k_runs, 0, g.gather_index, out=ws.get("k", rows, run_elems))
         vg = torch.index_select(v_runs, 0, g.gather_index, out=ws.get("v", rows, run_elems))
-        kg = kg.view(n * kvh, L, D)  # contiguous per (sequence, KV head)
-        vg = vg.view(n * kvh, L, D)
+        kg = kg.view(n * kvh, L, D).to(q.dtype)  # contiguous per (sequence, KV head)
+        vg = vg.view(n * kvh, L, D).to(q.dtype)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
         # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf.
         s = torch.bmm(qg, kg.transpose(1, 2)).float().mul_(scale)
@@ -178,8 +180,8 @@ def paged_attention(
             total = p.num_context + (p.end - p.start)
             kp = torch.index_select(k_runs, 0, p.gather_index, out=ws.get("k", rows, run_elems))
             vp = torch.index_select(v_runs, 0, p.gather_index, out=ws.get("v", rows, run_elems))
-            kp = kp.view(kvh, -1, D)[:, :total]  # [KVH, total, D]
-            vp = vp.view(kvh, -1, D)[:, :total]
+            kp = kp.view(kvh, -1, D)[:, :total].to(q.dtype)  # [KVH, total, D]
+            vp = vp.view(kvh, -1, D)[:, :total].to(q.dtype)
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]

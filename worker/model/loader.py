@@ -18,6 +18,7 @@ from worker.model.llama import Linear, LlamaForCausalLM, Rotary
 from worker.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
