@@ -26,17 +26,19 @@
 
 #define MAX_GROUP 64
 
-/* Element i of a cache row: float32, or bfloat16 widened (bf16 is a compile-time
- * constant wherever this is inlined, so the test folds away). */
-static inline __attribute__((always_inline)) float kv_at(const void *row, int i, const int bf16) {
-    if (bf16) {
-        union {
-            uint32_t u;
-            float f;
-        } x = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
-        return x.f;
-    }
-    return ((const float *)row)[i];
+/* A run of n cache values as float32: the run itself for a float32 cache; for a bfloat16
+ * one, widened into `wide` (a bf16 value is the top half of a float32). Widening a whole
+ * run once, rather than each value for each of the G query heads that read it, keeps the
+ * inner loops plain float32 FMAs. bf16 is a compile-time constant wherever this is
+ * inlined, so the test folds away. */
+static inline __attribute__((always_inline)) const float *
+as_f32(const char *restrict run, int n, float *restrict wide, const int bf16) {
+    if (!bf16) return (const float *)run;
+    const uint16_t *src = (const uint16_t *)run;
+    uint32_t *dst = (uint32_t *)wide;
+#pragma omp simd
+    for (int i = 0; i < n; i++) dst[i] = (uint32_t)src[i] << 16;
+    return wide;
 }
 
 /* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
@@ -50,12 +52,13 @@ static inline const char *block_run(const void *cache, size_t elem, const int32_
 
 /* One (sequence, KV head) pair. D and bf16 are parameters of an always-inlined function,
  * called with literals below: with them known at compile time the dot products and the
- * value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D]. */
+ * value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
+ * wide: [BS, D] (a bf16 block run widened). */
 static inline __attribute__((always_inline)) void
 attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
             int h, int KVH, int G, const int D, const int bf16, int BS, float scale,
-            float *restrict scores, float *restrict acc) {
+            float *restrict scores, float *restrict acc, float *restrict wide) {
     const size_t elem = bf16 ? 2 : 4;
     const int m = len - first;
     if (m <= 0) {
@@ -66,14 +69,15 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
-        const char *kb = block_run(k_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        const char *run = block_run(k_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        const float *kb = as_f32(run, stop * D, wide, bf16);
         for (int j = 0; j < stop; j++) {
-            const void *kr = kb + (size_t)j * D * elem;
+            const float *kr = kb + (size_t)j * D;
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + (size_t)g * D;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * kv_at(kr, d, bf16);
+                for (int d = 0; d < D; d++) s += qg[d] * kr[d];
                 s *= scale;
                 scores[(size_t)g * m + (t - first + j)] = s;
                 mx[g] = s > mx[g] ? s : mx[g];
@@ -95,14 +99,15 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     /* pass 2: weighted sum of the values */
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
-        const char *vb = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        const char *run = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        const float *vb = as_f32(run, stop * D, wide, bf16);
         for (int j = 0; j < stop; j++) {
-            const void *vr = vb + (size_t)j * D * elem;
+            const float *vr = vb + (size_t)j * D;
             for (int g = 0; g < G; g++) {
                 const float p = scores[(size_t)g * m + (t - first + j)];
                 float *a = acc + (size_t)g * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += p * kv_at(vr, d, bf16);
+                for (int d = 0; d < D; d++) a[d] += p * vr[d];
             }
         }
     }
@@ -127,7 +132,8 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
     {
         float *scores = malloc(sizeof(float) * (size_t)G * (size_t)max_len);
         float *acc = malloc(sizeof(float) * (size_t)G * (size_t)D);
-        const int ok = scores != NULL && acc != NULL;
+        float *wide = malloc(sizeof(float) * (size_t)BS * (size_t)D);
+        const int ok = scores != NULL && acc != NULL && wide != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -143,17 +149,18 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 float *o = out + ((size_t)i * H + (size_t)h * G) * D;
                 if (D == 64)
                     attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 64, bf16,
-                                BS, scale, scores, acc);
+                                BS, scale, scores, acc, wide);
                 else if (D == 128)
                     attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 128, bf16,
-                                BS, scale, scores, acc);
+                                BS, scale, scores, acc, wide);
                 else
                     attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, D, bf16,
-                                BS, scale, scores, acc);
+                                BS, scale, scores, acc, wide);
             }
         }
         free(scores);
         free(acc);
+        free(wide);
     }
     return failed;
 }
