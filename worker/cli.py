@@ -98,8 +98,8 @@ def engine_options(fn: F) -> F:
             "--kv-cache-dtype",
             type=click.Choice(["auto", "float32", "bfloat16"]),
             default=None,
-            help="KV cache dtype on CPU: auto is bfloat16 with bf16 linear layers and the "
-            "native attention kernel (twice the blocks in the same memory), else float32.",
+            help="KV cache dtype: auto is the activations' (float32 on CPU); bfloat16 on CPU "
+            "holds twice the blocks in the same memory.",
         ),
     ]
     for opt in reversed(opts):

@@ -72,8 +72,8 @@ class EngineConfig:
     # (worker.model.native; built on first use), "torch" gathers blocks and runs matmuls,
     # "auto" takes native where it builds and torch elsewhere (and on CUDA).
     attention: str = "auto"
-    # The KV cache's dtype on CPU: "auto" is bfloat16 with bf16 linear layers and the C
-    # decode kernel, float32 otherwise (worker.hardware.choose_kv_dtype); on CUDA, auto.
+    # The KV cache's dtype: "auto" is the activations' (float32 on CPU); "bfloat16" on CPU
+    # holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -152,8 +152,8 @@ def test_native_attention_is_refused_on_cuda() -> None:
 
 
 def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) -> None:
-    """Beside bf16 linear layers and the kernel, auto stores K/V in bfloat16: the same
-    memory holds twice the blocks, and the start-up facts say so."""
+    """Asked for, a bf16 cache holds twice the blocks in the same memory; auto keeps the
+    activations' float32. The start-up facts say which and why."""
     from worker.engine.model_runner import ModelRunner
     from worker.model.loader import load_model
 
@@ -163,10 +163,11 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
             EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv),
             load_model(path, dtype="bfloat16"),
         )
-        for kv in ("auto", "float32")
+        for kv in ("auto", "bfloat16")
     }
-    auto, wide = runners["auto"], runners["float32"]
-    assert auto.kv_dtype == torch.bfloat16 and wide.kv_dtype == torch.float32
-    assert auto.info.kv_cache_dtype.startswith("bfloat16 (auto")
-    assert auto.info.num_blocks == 2 * wide.info.num_blocks
-    assert all(k.dtype == torch.bfloat16 for k, _ in auto.kv_caches)
+    auto, narrow = runners["auto"], runners["bfloat16"]
+    assert auto.kv_dtype == torch.float32 and narrow.kv_dtype == torch.bfloat16
+    assert auto.info.kv_cache_dtype.startswith("float32 (auto")
+    assert narrow.info.kv_cache_dtype == "bfloat16 (set explicitly)"
+    assert narrow.info.num_blocks == 2 * auto.info.num_blocks
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in narrow.kv_caches)

@@ -36,20 +36,16 @@ def test_auto_on_cuda_follows_the_device() -> None:
     assert choose_dtype("auto", "cuda:1", frozenset(), cuda_bf16=False).dtype == "float16"
 
 
-def test_the_kv_cache_is_bfloat16_only_beside_bf16_linear_layers_and_the_kernel() -> None:
-    auto = choose_kv_dtype("auto", "cpu", "bfloat16", "float32", native=True)
-    assert auto.dtype == "bfloat16" and "C decode kernel" in auto.reason
-    # without the kernel (the gather path would widen every block it copies), or with
-    # float32 linear layers, the cache keeps the activations' float32
-    assert choose_kv_dtype("auto", "cpu", "bfloat16", "float32", native=False).dtype == "float32"
-    assert choose_kv_dtype("auto", "cpu", "float32", "float32", native=True).dtype == "float32"
-    explicit = choose_kv_dtype("bfloat16", "cpu", "float32", "float32", native=False)
+def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
+    auto = choose_kv_dtype("auto", "cpu", "float32")
+    assert auto.dtype == "float32" and "activations" in auto.reason
+    explicit = choose_kv_dtype("bfloat16", "cpu", "float32")
     assert explicit.dtype == "bfloat16" and explicit.reason == "set explicitly"
-    assert choose_kv_dtype("auto", "cuda", "bfloat16", "bfloat16", native=False).dtype == "bfloat16"
+    assert choose_kv_dtype("auto", "cuda", "bfloat16").dtype == "bfloat16"
     with pytest.raises(ValueError, match="model's dtype"):
-        choose_kv_dtype("float32", "cuda", "bfloat16", "bfloat16", native=False)
+        choose_kv_dtype("float32", "cuda", "bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        choose_kv_dtype("int8", "cpu", "float32", "float32", native=True)
+        choose_kv_dtype("int8", "cpu", "float32")
 
 
 def test_flags_come_from_the_first_processor() -> None:

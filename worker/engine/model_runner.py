@@ -85,13 +85,7 @@ class ModelRunner:
         self.native, attention = self._attention_backend(
             config, act_dtype, mcfg.num_heads // mcfg.num_kv_heads
         )
-        kv = choose_kv_dtype(
-            config.kv_cache_dtype,
-            self.device.type,
-            dtype_name(loaded),
-            DTYPE_NAMES[act_dtype],
-            self.native is not None,
-        )
+        kv = choose_kv_dtype(config.kv_cache_dtype, self.device.type, DTYPE_NAMES[act_dtype])
         self.kv_dtype = DTYPES[kv.dtype]  # the KV cache's
         # bytes of K and V for one block across all layers
         block_bytes = (
