@@ -50,14 +50,14 @@ static inline const char *block_run(const void *cache, size_t elem, const int32_
     return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D * elem;
 }
 
-/* One (sequence, KV head) pair. D and bf16 are parameters of an always-inlined function,
- * called with literals below: with them known at compile time the dot products and the
- * value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
+/* One (sequence, KV head) pair. G, D and bf16 are parameters of an always-inlined
+ * function, called with literals below: with them known at compile time the dot products
+ * and the value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
  * wide: [BS, D] (a bf16 block run widened). */
 static inline __attribute__((always_inline)) void
 attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
-            int h, int KVH, int G, const int D, const int bf16, int BS, float scale,
+            int h, int KVH, const int G, const int D, const int bf16, int BS, float scale,
             float *restrict scores, float *restrict acc, float *restrict wide) {
     const size_t elem = bf16 ? 2 : 4;
     const int m = len - first;
@@ -118,6 +118,34 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     }
 }
 
+/* The pair's work with the head size D and the group size G as literals where they are
+ * common (D 64 or 128; G 1 to 8: MHA and the usual GQA groups), so the compiler unrolls
+ * the loops over G and keeps the G query rows and accumulators in vector registers; any
+ * other shape takes the same code with runtime sizes. */
+#define ATTEND(GV, DV)                                                                      \
+    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, bf16, BS, scale, \
+                scores, acc, wide)
+#define ATTEND_G(DV)              \
+    switch (G) {                  \
+    case 1: ATTEND(1, DV); break; \
+    case 2: ATTEND(2, DV); break; \
+    case 3: ATTEND(3, DV); break; \
+    case 4: ATTEND(4, DV); break; \
+    case 5: ATTEND(5, DV); break; \
+    case 6: ATTEND(6, DV); break; \
+    case 7: ATTEND(7, DV); break; \
+    case 8: ATTEND(8, DV); break; \
+    default: ATTEND(G, DV);       \
+    }
+#define ATTEND_D(DV)       \
+    if (DV == 64) {        \
+        ATTEND_G(64)       \
+    } else if (DV == 128) { \
+        ATTEND_G(128)      \
+    } else {               \
+        ATTEND(G, DV);     \
+    }
+
 static inline __attribute__((always_inline)) int
 paged_decode(const float *q, const void *k_cache, const void *v_cache,
              const int32_t *block_tables, const int32_t *context_lens, float *out, int n, int H,
@@ -147,15 +175,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 const int32_t *table = block_tables + (size_t)i * max_blocks;
                 const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
                 float *o = out + ((size_t)i * H + (size_t)h * G) * D;
-                if (D == 64)
-                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 64, bf16,
-                                BS, scale, scores, acc, wide);
-                else if (D == 128)
-                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, 128, bf16,
-                                BS, scale, scores, acc, wide);
-                else
-                    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, G, D, bf16,
-                                BS, scale, scores, acc, wide);
+                ATTEND_D(D);
             }
         }
         free(scores);
