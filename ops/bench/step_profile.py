@@ -148,8 +148,9 @@ def linear_limit(engine: LLMEngine, batch: int, repeats: int = 5) -> float:
     for m in model.modules():
         if isinstance(m, llama_mod.Linear):
             layers.append((torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype), m.weight))
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    layers.append((torch.randn(batch, head.shape[1], dtype=head.dtype), head))
+    if model.narrow_head is None:  # else the narrow projection is one of the Linear modules
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        layers.append((torch.randn(batch, head.shape[1], dtype=head.dtype), head))
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.llama import Linear, padded_rows
+from worker.model.llama import RESCORED, Linear, padded_rows
+from worker.model.loader import load_model
 
 
 def test_padded_rows_are_few_buckets_never_below_the_need() -> None:
@@ -35,3 +40,36 @@ def test_same_dtype_linear_is_a_plain_linear() -> None:
     lin.weight.data = torch.randn(5, 8, generator=g)
     x = torch.randn(3, 8, generator=g)
     torch.testing.assert_close(lin(x), x @ lin.weight.T)
+
+
+@pytest.mark.parametrize("variant", ["smollm2", "llama3"])  # tied and untied output weights
+def test_a_narrow_output_projection_keeps_the_winning_candidates_exact(
+    tiny_model_dir: Callable[[str], Path], variant: str
+) -> None:
+    """bfloat16 logits everywhere, float32's own scores for each row's best RESCORED."""
+    model = load_model(str(tiny_model_dir(variant)), dtype="bfloat16").model
+    assert model.narrow_head is not None
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    assert weight.dtype == torch.float32 and model.narrow_head.weight.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(37, weight.shape[1], generator=g)
+    with torch.inference_mode():
+        got = model.compute_logits(hidden)
+        h = model.norm(hidden)
+        exact = h @ weight.T  # [S, V] float32
+        narrow = F.linear(h.bfloat16(), weight.bfloat16()).float()
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    top = narrow.topk(RESCORED, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    torch.testing.assert_close(got[rest], narrow[rest], rtol=1e-2, atol=1e-2)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
+def test_a_float32_model_keeps_one_output_projection(tiny_model_dir: Callable[[str], Path]) -> None:
+    model = load_model(str(tiny_model_dir("smollm2")), dtype="float32").model
+    assert model.narrow_head is None
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model.norm(hidden) @ model.embed_tokens.weight.T
+        torch.testing.assert_close(model.compute_logits(hidden), want)
