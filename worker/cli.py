@@ -101,6 +101,12 @@ def engine_options(fn: F) -> F:
             help="KV cache dtype: auto is the activations' (float32 on CPU); bfloat16 on CPU "
             "holds twice the blocks in the same memory.",
         ),
+        click.option(
+            "--tune-batch/--no-tune-batch",
+            default=None,
+            help="Measure decode tok/s by batch size at start-up and run at most the "
+            "smallest batch within 5% of the best (max-num-seqs stays the cap).",
+        ),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -132,6 +138,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "num_threads": kw.pop("threads", None),
         "attention": kw.pop("attention", None),
         "kv_cache_dtype": kw.pop("kv_cache_dtype", None),
+        "tune_batch": kw.pop("tune_batch", None),
     }
     try:
         if overrides["client_weights"]:
@@ -197,6 +204,8 @@ def run_batch(
         f"x {info.block_size} tokens in {info.kv_cache_dtype}, {config.scheduling} scheduling",
         err=True,
     )
+    if engine.operating_point is not None:
+        click.echo(f"kvflow: tuned: {engine.operating_point.describe()}", err=True)
     if str(output_path) == "-":
         items, summary = run_batch_file(engine, input_path, sys.stdout, progress, ledger)
     else:

@@ -75,6 +75,9 @@ class EngineConfig:
     # The KV cache's dtype: "auto" is the activations' (float32 on CPU); "bfloat16" on CPU
     # holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
+    # Measure decode tokens/s against batch size at start-up and run at most the smallest
+    # batch within 5% of the best rate (worker.engine.tuning); max_num_seqs stays the cap.
+    tune_batch: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -210,6 +213,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "num_threads": int,
     "attention": str,
     "kv_cache_dtype": str,
+    "tune_batch": _bool,
 }
 
 

@@ -371,6 +371,7 @@ def main() -> None:
         )
     profile_rows = []
     gather_rows = []
+    curve_md = ""
     if args.profile:
         import step_profile
 
@@ -385,6 +386,10 @@ def main() -> None:
             gather_rows = step_profile.run(
                 gather, (64,), lambda m: print(m + " (gather)", file=sys.stderr)
             )
+        print("decode tok/s by batch size", file=sys.stderr)
+        curve, context, choice = step_profile.batch_curve(prof_engine)
+        curve_md = step_profile.curve_table(curve, context, choice)
+        step_profile.plot_curve(curve, choice, args.out / "batch_curve.png")
 
     base = "kvflow-continuous"
     md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
@@ -401,6 +406,10 @@ def main() -> None:
         if "kvflow-gather" in systems:
             md += "\n\nThe same at batch 64 with decode attention by block gather (--attention torch):\n\n"
             md += step_profile.table(gather_rows, engine.info.dtype)
+        md += (
+            "\n\nDecode tokens/s by batch size (`ops/bench/results/longtail/batch_curve.png`):\n\n"
+        )
+        md += curve_md
     print("\n" + md)
     cont = next((r for r in results if r.system == base), None)
     if cont is not None:

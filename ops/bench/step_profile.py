@@ -13,6 +13,7 @@ size and dtype: the tokens/s a decode step could reach if nothing else cost anyt
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import worker.model.llama as llama_mod
 from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.tuning import choose_batch, measure_curve
 from worker.request import SamplingParams
 
 PHASES = ("linear", "attention", "sampling", "other model ops", "bookkeeping")
@@ -184,6 +186,52 @@ def table(rows: list[tuple[StepProfile, float]], dtype: str) -> str:
             f"{p.tok_s / limit:.0%} |"
         )
     return "\n".join(lines)
+
+
+CURVE_SIZES = (4, 8, 16, 32, 48, 64, 96, 128)
+
+
+def batch_curve(engine: LLMEngine, rounds: int = 3) -> tuple[list[tuple[int, float]], int, int]:
+    """Decode tok/s by batch size as `--tune-batch` measures it (worker.engine.tuning), each
+    point the median of `rounds` sweeps; and the batch size the tuner would choose."""
+    runner = engine.runner
+    sweeps = [
+        measure_curve(
+            runner.execute_model, list(CURVE_SIZES), runner.info.num_blocks, runner.block_size
+        )
+        for _ in range(rounds)
+    ]
+    context = sweeps[0][1]
+    curve = [(b, statistics.median(s[0][i][1] for s in sweeps)) for i, b in enumerate(CURVE_SIZES)]
+    return curve, context, choose_batch(curve)
+
+
+def curve_table(curve: list[tuple[int, float]], context: int, choice: int) -> str:
+    lines = ["| batch | decode tok/s |", "|---:|---:|"]
+    lines += [f"| {b} | {r:.0f} |" for b, r in curve]
+    return "\n".join(lines) + (
+        f"\n\n(contexts of {context} tokens; medians of 3 sweeps; `--tune-batch` would run "
+        f"at most {choice} sequences: the smallest batch within 5% of the best rate.)"
+    )
+
+
+def plot_curve(curve: list[tuple[int, float]], choice: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([b for b, _ in curve], [r for _, r in curve], marker="o")
+    ax.axvline(choice, color="#c66", linestyle="--", label=f"tuned cap: {choice}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences per decode step")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title("decode throughput by batch size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:

@@ -238,3 +238,27 @@ def test_hold_hook_lets_an_abort_through(tiny, tmp_path, monkeypatch) -> None:
     (out,) = eng.abort(["held"])
     assert out.finished and out.finish_reason == FinishReason.ABORT
     assert not eng.has_unfinished()
+
+
+def test_a_tuned_engine_runs_at_its_measured_cap_and_answers_the_same(tiny) -> None:
+    """--tune-batch probes decode steps before any request; the probe leaves nothing
+    behind (same greedy outputs as an untuned engine) and the scheduler keeps the cap."""
+    ps, sps = prompts(12, seed=5), params(12, seed=5)
+    plain = [o.token_ids for o in make_engine(tiny).generate(ps, sps)]
+    eng = make_engine(tiny, tune_batch=True)
+    point = eng.operating_point
+    assert point is not None
+    assert [b for b, _ in point.curve] == [4, 8, 16]
+    assert all(rate > 0 for _, rate in point.curve)
+    assert point.max_running in (4, 8, 16)
+    assert eng.scheduler.max_running == point.max_running
+    assert [o.token_ids for o in eng.generate(ps, sps)] == plain
+    assert max(s.batch_size for s in eng.recent_stats) <= point.max_running
+
+
+def test_the_scheduler_never_runs_more_than_its_cap(tiny) -> None:
+    eng = make_engine(tiny)
+    eng.scheduler.max_running = 3
+    ps, sps = prompts(10, seed=6), params(10, seed=6)
+    assert [o.token_ids for o in eng.generate(ps, sps)] == one_at_a_time(tiny, ps, sps)
+    assert max(s.batch_size for s in eng.recent_stats) == 3

@@ -22,6 +22,7 @@ from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput, SchedulerOutput, StepStats
 from worker.engine.scheduler import Scheduler
 from worker.engine.steplog import StepLog
+from worker.engine.tuning import OperatingPoint, tune
 from worker.hardware import DtypeChoice, choose_dtype, read_cpu_flags
 from worker.limits import RequestLimits
 from worker.model.loader import LoadedModel, dtype_name, load_model
@@ -81,6 +82,11 @@ class LLMEngine:
         self.info: RuntimeInfo = self.runner.info
         log.info("dtype %s (%s); %d threads", self.info.dtype, choice.reason, self.info.num_threads)
         self.scheduler = Scheduler(config, self.info.num_blocks, self.info.max_model_len)
+        self.operating_point: OperatingPoint | None = None
+        if config.tune_batch:
+            self.operating_point = tune(self.runner, config.max_num_seqs)
+            self.scheduler.max_running = self.operating_point.max_running
+            log.info("tuned: %s", self.operating_point.describe())
         self.limits = RequestLimits(
             self.info.vocab_size, self.scheduler.max_model_len, config.max_tokens_cap
         )
@@ -143,7 +149,7 @@ class LLMEngine:
             block_size=self.info.block_size,
             running=s.num_running,
             waiting=s.num_waiting,
-            free_seqs=max(0, self.config.max_num_seqs - s.num_running - s.num_waiting),
+            free_seqs=max(0, self.scheduler.max_running - s.num_running - s.num_waiting),
             waiting_tokens=waiting_tokens,
             kv_usage=s.kv.usage,
         )

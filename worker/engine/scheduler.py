@@ -107,6 +107,9 @@ class Scheduler:
         # A sequence can never hold more tokens than the whole cache.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.policy = make_policy(config)
+        # Running sequences at most: max_num_seqs, or less where the engine measured
+        # that this machine serves a smaller batch as well (worker.engine.tuning).
+        self.max_running = config.max_num_seqs
         self.running: list[Request] = []
         # Running requests that sit this step out (set by the engine's test hooks only).
         self.held: frozenset[str] = frozenset()
@@ -223,7 +226,7 @@ class Scheduler:
         static = self.config.scheduling == "static"
         reserved = 0
         admitted = False
-        while len(self.running) < self.config.max_num_seqs:
+        while len(self.running) < self.max_running:
             req = self.policy.peek()
             if req is None or (step.budget == 0 and not static) or step.prefill_left == 0:
                 break
