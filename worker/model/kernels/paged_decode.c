@@ -50,6 +50,18 @@ static inline const char *block_run(const void *cache, size_t elem, const int32_
     return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D * elem;
 }
 
+/* Ask for head h's run of the block holding position t (if t < len) to be brought into
+ * the cache while the current run is computed: runs are contiguous, but consecutive
+ * blocks of a sequence lie anywhere in the cache, where the hardware prefetcher does
+ * not follow. */
+static inline void prefetch_run(const void *cache, size_t elem, const int32_t *table, int t,
+                                int len, int h, int KVH, int BS, int D) {
+    if (t >= len) return;
+    const char *p = (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS) * D * elem;
+    const size_t bytes = (size_t)BS * D * elem;
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* One (sequence, KV head) pair. G, D and bf16 are parameters of an always-inlined
  * function, called with literals below: with them known at compile time the dot products
  * and the value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
@@ -70,6 +82,10 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(k_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        if (t + stop < len)
+            prefetch_run(k_cache, elem, table, t + stop, len, h, KVH, BS, D);
+        else
+            prefetch_run(v_cache, elem, table, first, len, h, KVH, BS, D);
         const float *kb = as_f32(run, stop * D, wide, bf16);
         for (int j = 0; j < stop; j++) {
             const float *kr = kb + (size_t)j * D;
@@ -100,6 +116,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        prefetch_run(v_cache, elem, table, t + stop, len, h, KVH, BS, D);
         const float *vb = as_f32(run, stop * D, wide, bf16);
         for (int j = 0; j < stop; j++) {
             const float *vr = vb + (size_t)j * D;
