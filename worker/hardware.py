@@ -48,13 +48,22 @@ def choose_dtype(
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
-def choose_kv_dtype(requested: str, device: str, activation_dtype: str) -> DtypeChoice:
-    """The KV cache's dtype: "auto" is the activations' (float32 on CPU, whatever the
-    linear layers'; the model's dtype on CUDA). On CPU a bfloat16 cache may be asked for:
-    half the bytes per block, so twice the blocks in the same memory, each value rounded
-    as it is stored and widened to float32 where it is read. (The C decode kernel ran
-    ~10% slower on it than on float32 here: it is bound by arithmetic, not by reading
-    the cache, so the narrower cache buys capacity, not speed.)"""
+def choose_kv_dtype(
+    requested: str,
+    device: str,
+    activation_dtype: str,
+    linear_dtype: str | None = None,
+    in_place_decode: bool = False,
+) -> DtypeChoice:
+    """The KV cache's dtype. On CUDA the model's. On CPU a bfloat16 cache holds half the
+    bytes per block, so twice the blocks in the same memory, each value rounded as it is
+    stored and widened to float32 where it is read; "auto" takes it where the CPU
+    multiplies bfloat16 natively (the linear layers are bfloat16) and decode attention
+    reads the cache in place with the C kernel, float32 (the activations') elsewhere.
+    Measured side by side, 64 sequences of 100-450 tokens: the kernel took 0.52-0.57x
+    float32's time on a bfloat16 cache on an AMD EPYC (it is bound by reading the cache
+    there) and about the same time on an Intel Xeon with AMX; the default model's greedy
+    pick through a bfloat16 cache agreed with float32's at 320 of 320 positions."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if device != "cpu":
@@ -65,6 +74,8 @@ def choose_kv_dtype(requested: str, device: str, activation_dtype: str) -> Dtype
         return DtypeChoice(activation_dtype, "the model's dtype")
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
+    if linear_dtype == "bfloat16" and in_place_decode:
+        return DtypeChoice("bfloat16", "auto: bfloat16 linear layers and in-place decode attention")
     return DtypeChoice(activation_dtype, "auto: the activations' dtype")
 
 

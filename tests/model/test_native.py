@@ -152,8 +152,9 @@ def test_native_attention_is_refused_on_cuda() -> None:
 
 
 def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) -> None:
-    """Asked for, a bf16 cache holds twice the blocks in the same memory; auto keeps the
-    activations' float32. The start-up facts say which and why."""
+    """A bf16 cache holds twice the blocks in the same memory; auto takes it behind bf16
+    linear layers where the C kernel reads the cache in place. The start-up facts say
+    which and why."""
     from worker.engine.model_runner import ModelRunner
     from worker.model.loader import load_model
 
@@ -163,11 +164,15 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
             EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv),
             load_model(path, dtype="bfloat16"),
         )
-        for kv in ("auto", "bfloat16")
+        for kv in ("auto", "float32", "bfloat16")
     }
-    auto, narrow = runners["auto"], runners["bfloat16"]
-    assert auto.kv_dtype == torch.float32 and narrow.kv_dtype == torch.bfloat16
-    assert auto.info.kv_cache_dtype.startswith("float32 (auto")
+    auto, wide, narrow = runners["auto"], runners["float32"], runners["bfloat16"]
+    assert wide.kv_dtype == torch.float32 and narrow.kv_dtype == torch.bfloat16
+    assert wide.info.kv_cache_dtype == "float32 (set explicitly)"
     assert narrow.info.kv_cache_dtype == "bfloat16 (set explicitly)"
-    assert narrow.info.num_blocks == 2 * auto.info.num_blocks
+    assert narrow.info.num_blocks == 2 * wide.info.num_blocks
+    if auto.native is not None:
+        assert auto.info.kv_cache_dtype.startswith("bfloat16 (auto: bfloat16 linear layers")
+    else:
+        assert auto.info.kv_cache_dtype.startswith("float32 (auto")
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in narrow.kv_caches)

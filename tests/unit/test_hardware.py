@@ -39,6 +39,13 @@ def test_auto_on_cuda_follows_the_device() -> None:
 def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
     auto = choose_kv_dtype("auto", "cpu", "float32")
     assert auto.dtype == "float32" and "activations" in auto.reason
+    # bfloat16 where the CPU multiplies it natively and the C kernel reads the cache...
+    narrow = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", in_place_decode=True)
+    assert narrow.dtype == "bfloat16" and "in-place" in narrow.reason
+    # ...not behind float32 linear layers, nor where decode gathers blocks instead
+    assert choose_kv_dtype("auto", "cpu", "float32", "float32", True).dtype == "float32"
+    assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", False).dtype == "float32"
+    assert choose_kv_dtype("float32", "cpu", "float32", "bfloat16", True).dtype == "float32"
     explicit = choose_kv_dtype("bfloat16", "cpu", "float32")
     assert explicit.dtype == "bfloat16" and explicit.reason == "set explicitly"
     assert choose_kv_dtype("auto", "cuda", "bfloat16").dtype == "bfloat16"

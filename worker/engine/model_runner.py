@@ -85,7 +85,13 @@ class ModelRunner:
         self.native, attention = self._attention_backend(
             config, act_dtype, mcfg.num_heads // mcfg.num_kv_heads
         )
-        kv = choose_kv_dtype(config.kv_cache_dtype, self.device.type, DTYPE_NAMES[act_dtype])
+        kv = choose_kv_dtype(
+            config.kv_cache_dtype,
+            self.device.type,
+            DTYPE_NAMES[act_dtype],
+            dtype_name(loaded),
+            self.native is not None,
+        )
         self.kv_dtype = DTYPES[kv.dtype]  # the KV cache's
         # bytes of K and V for one block across all layers
         block_bytes = (
