@@ -100,8 +100,15 @@ class Requeuer:
             app_id=message.app_id,  # not user_id: the broker checks it against our login
         )
         copy.headers.pop("x-delivery-count", None)  # the broker's, for the old message
-        outcome = await self._channel.default_exchange.publish(
-            copy, routing_key=self._queue, mandatory=True
+        # As ReplyPublisher: handed to the writer without holding the channel's lock
+        # across turns; the confirm is still awaited.
+        channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+        outcome = await channel.basic_publish(
+            copy.body,
+            routing_key=self._queue,
+            properties=copy.properties,
+            mandatory=True,
+            wait=False,
         )
         if isinstance(outcome, aiormq.abc.DeliveredMessage):
             raise RuntimeError(f"queue {self._queue!r} did not take the message back")

@@ -26,7 +26,7 @@ class FakeDelivery:
     channel: FakeChannel
     delivery_tag: int
 
-    async def nack(self, requeue: bool = True) -> None:
+    async def nack(self, multiple: bool = False, requeue: bool = True) -> None:
         self.channel.frames.append(("nack" if requeue else "drop", self.delivery_tag, False))
 
     async def reject(self, requeue: bool = False) -> None:
@@ -87,8 +87,8 @@ async def test_nacks_and_rejects_go_at_once_and_count_toward_the_prefix() -> Non
     ch = FakeChannel()
     acker = Acker()
     await acker.ack(FakeDelivery(ch, 1))
-    await acker.nack(FakeDelivery(ch, 2), requeue=True)  # type: ignore[arg-type]
-    await acker.reject(FakeDelivery(ch, 3), requeue=False)  # type: ignore[arg-type]
+    await acker.nack(FakeDelivery(ch, 2), requeue=True)
+    await acker.reject(FakeDelivery(ch, 3), requeue=False)
     await acker.ack(FakeDelivery(ch, 4))
     await acker.flush()
     # the nack and reject were written before the ack that passes their tags
@@ -99,7 +99,7 @@ async def test_a_prefix_ending_in_a_nack_acks_up_to_its_last_ack() -> None:
     ch = FakeChannel()
     acker = Acker()
     await acker.ack(FakeDelivery(ch, 1))
-    await acker.nack(FakeDelivery(ch, 2), requeue=True)  # type: ignore[arg-type]
+    await acker.nack(FakeDelivery(ch, 2), requeue=True)
     await acker.flush()
     # the multiple ack names a tag that is outstanding (1), not the nacked one
     assert ch.frames == [("nack", 2, False), ("ack", 1, True)]
