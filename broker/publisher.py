@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aiormq
@@ -34,17 +34,20 @@ class ReplyPublisher:
 
         Returns True when the broker routed and confirmed the reply, False when it was
         unroutable (mandatory publish returned) or nacked.
+
+        The frames are handed to the connection's writer without waiting for them to be
+        written (`wait=False`), so the channel's lock is not held across event-loop
+        turns: the replies of one turn leave in one socket write and their confirms are
+        awaited together, each by its own caller.
         """
-        message = aio_pika.Message(
-            body,
-            content_type=CONTENT_TYPE,
-            correlation_id=correlation_id,
-            delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+        properties = aiormq.spec.Basic.Properties(
+            content_type=CONTENT_TYPE, correlation_id=correlation_id, delivery_mode=1
         )
         try:
+            channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
             # With confirms on, this await ends on the broker's Ack, Nack or Return.
-            outcome = await self._channel.default_exchange.publish(
-                message, routing_key=reply_to, mandatory=True
+            outcome = await channel.basic_publish(
+                body, routing_key=reply_to, properties=properties, mandatory=True, wait=False
             )
         except aio_pika.exceptions.PublishError:
             # Channels opened with on_return_raises=True report a return this way.
@@ -97,8 +100,15 @@ class Requeuer:
             app_id=message.app_id,  # not user_id: the broker checks it against our login
         )
         copy.headers.pop("x-delivery-count", None)  # the broker's, for the old message
-        outcome = await self._channel.default_exchange.publish(
-            copy, routing_key=self._queue, mandatory=True
+        # As ReplyPublisher: handed to the writer without holding the channel's lock
+        # across turns; the confirm is still awaited.
+        channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+        outcome = await channel.basic_publish(
+            copy.body,
+            routing_key=self._queue,
+            properties=copy.properties,
+            mandatory=True,
+            wait=False,
         )
         if isinstance(outcome, aiormq.abc.DeliveredMessage):
             raise RuntimeError(f"queue {self._queue!r} did not take the message back")

@@ -94,6 +94,7 @@ class Metrics:
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"worker": worker, "model": model}
+        self._children: dict[tuple[Any, ...], Any] = {}
         # Per-client series are labelled with the configured client names (the default
         # client too); every other client is `other`, so the label's values stay few.
         self.clients = frozenset(clients)
@@ -259,11 +260,18 @@ class Metrics:
     def client_label(self, client: str | None) -> str:
         return metric_label(client or DEFAULT_CLIENT, self.clients)
 
+    def _child(self, metric: Any, **labels: str) -> Any:
+        """`metric.labels(worker, model, **labels)`, looked up once per label set (a
+        label lookup costs more than the update it serves, once per request)."""
+        key = (id(metric), *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self.labels, **labels)
+        return child
+
     def on_recorded(self, client: str | None, status: str) -> None:
         """A request's final ledger row was written."""
-        self._client_requests.labels(
-            **self.labels, client=self.client_label(client), status=status
-        ).inc()
+        self._child(self._client_requests, client=self.client_label(client), status=status).inc()
 
     def set_queued_tokens(self, client: str, tokens: int) -> None:
         self._client_queued_tokens.labels(**self.labels, client=self.client_label(client)).set(
@@ -275,13 +283,13 @@ class Metrics:
     ) -> None:
         """A request the engine ran has ended; `timing` is its contract timing map
         (queue delay, TTFT and end to end count from the producer's enqueue time)."""
-        label = {**self.labels, "client": self.client_label(client)}
+        label = self.client_label(client)
         if timing.get("queue_s") is not None:
-            self._client_queue.labels(**label).observe(timing["queue_s"])
+            self._child(self._client_queue, client=label).observe(timing["queue_s"])
         if timing.get("ttft_s") is not None:
-            self._client_ttft.labels(**label).observe(timing["ttft_s"])
+            self._child(self._client_ttft, client=label).observe(timing["ttft_s"])
         reason = str(out.finish_reason) if out.finish_reason is not None else "error"
-        self._success.labels(**self.labels, finished_reason=reason).inc()
+        self._child(self._success, finished_reason=reason).inc()
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.req_prompt_tokens.observe(out.num_prompt_tokens)
         self.req_generation_tokens.observe(len(out.token_ids))

@@ -139,6 +139,7 @@ class Service:
             except TimeoutError:
                 log.warning("the intake did not stop within 15 s")
             await self.drain(cfg.drain_timeout_s)
+            await serving.acker.flush()  # acks of the last settlements, before the close
             self._set_state(WorkerState.STOPPED)
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

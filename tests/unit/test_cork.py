@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-from broker.cork import cork
+from broker.cork import MAX_TURNS, cork
+
+
+async def _turns_until(done: Callable[[], bool]) -> int:
+    """Yield to the loop until `done()`; returns how many turns that took."""
+    turns = 0
+    while not done():
+        await asyncio.sleep(0)
+        turns += 1
+    return turns
 
 
 async def _pair() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Server, list[bytes]]:
@@ -38,11 +48,10 @@ async def test_one_turn_of_writes_is_one_socket_write_in_order() -> None:
     for i in range(50):
         writer.write(b"frame-%d;" % i)
     assert sends == []  # held until the turn ends
-    await asyncio.sleep(0)
+    assert await _turns_until(lambda: bool(sends)) <= MAX_TURNS
     assert len(sends) == 1
     writer.write(b"next-turn;")
-    await asyncio.sleep(0)
-    assert len(sends) == 2
+    assert await _turns_until(lambda: len(sends) == 2) <= MAX_TURNS
     writer.write(b"last;")  # written and closed in the same turn: still sent
     writer.close()
     await server.done.wait()  # type: ignore[attr-defined]
@@ -50,3 +59,36 @@ async def test_one_turn_of_writes_is_one_socket_write_in_order() -> None:
     expected = b"".join(b"frame-%d;" % i for i in range(50)) + b"next-turn;last;"
     assert b"".join(received) == expected
     assert sends[-1] == b"last;"
+
+
+async def test_writes_wait_for_a_busy_loop_a_few_turns_at_most() -> None:
+    _reader, writer, server, _received = await _pair()
+    sends: list[bytes] = []
+    send = writer.transport.write
+
+    def counting(data: bytes | bytearray | memoryview) -> None:
+        sends.append(bytes(data))
+        send(data)
+
+    writer.transport.write = counting  # type: ignore[method-assign]
+    cork(writer)
+    writer.write(b"first;")
+    # Other work keeps the loop busy and writes meanwhile: it joins the same write.
+    for i in range(MAX_TURNS - 2):
+        await asyncio.sleep(0)
+        writer.write(b"more-%d;" % i)
+    assert sends == []
+
+    async def spin() -> None:  # always a callback ready
+        while True:
+            await asyncio.sleep(0)
+
+    spinner = asyncio.create_task(spin())
+    try:
+        assert await _turns_until(lambda: bool(sends)) <= MAX_TURNS
+    finally:
+        spinner.cancel()
+    assert sends == [b"first;" + b"".join(b"more-%d;" % i for i in range(MAX_TURNS - 2))]
+    writer.close()
+    await server.done.wait()  # type: ignore[attr-defined]
+    server.close()

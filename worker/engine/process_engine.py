@@ -35,6 +35,7 @@ from worker.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # a first start may convert the GGUF model
+FLUSH_TURNS = 4  # event-loop turns a command may wait while other callbacks are ready
 
 
 def _child(config: EngineConfig, conn: Connection) -> None:
@@ -101,8 +102,11 @@ class ProcessEngine(EngineFront):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
         # Commands of one event-loop turn go down the pipe as one message: a burst of
-        # deliveries costs one pickle and one write, not one each.
+        # deliveries costs one pickle and one write, not one each. While other callbacks
+        # are ready (a burst spread over a few turns) the message waits for them, up to
+        # FLUSH_TURNS turns; an idle loop sends at once.
         self._outbox: list[Command] = []
+        self._turns = 0
 
     @classmethod
     async def launch(
@@ -188,7 +192,17 @@ class ProcessEngine(EngineFront):
         if loop is None or isinstance(command, Stop):
             self._flush()
         else:
-            loop.call_soon(self._flush)
+            self._turns = 0
+            loop.call_soon(self._end_of_turn)
+
+    def _end_of_turn(self) -> None:
+        self._turns += 1
+        loop = self._loop
+        busy = bool(getattr(loop, "_ready", None))  # callbacks ready to run
+        if self._turns < FLUSH_TURNS and busy and self._outbox and loop is not None:
+            loop.call_soon(self._end_of_turn)
+        else:
+            self._flush()
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []

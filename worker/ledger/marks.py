@@ -44,7 +44,9 @@ class DeliveryMarks:
         # two more round trips per round (a round is often one delivery).
         self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._retry = retry
-        self._stmt = statements.mark_requests(engine.dialect.name)
+        self._stmt = statements.RowBatch(
+            statements.mark_requests(engine.dialect.name), engine.dialect
+        )
         self._batch_size = batch_size
         self._marks: list[_Mark] = []
         self._task: asyncio.Task[None] | None = None
@@ -127,8 +129,8 @@ class DeliveryMarks:
             row.update(id=m.record.id, status=LedgerStatus.RUNNING.value, attempts=1)
             rows.append({**row, "created_at": now, "updated_at": now})
         async with self._engine.connect() as conn:
-            # executemany with RETURNING: one compiled statement, batched by the driver.
-            went_ahead = {r[0] for r in await conn.execute(self._stmt, rows)}
+            # One statement for the batch, the rows bound as arrays (statements.RowBatch).
+            went_ahead = {r[0] for r in await self._stmt.execute(conn, rows)}
             final_ids = [m.record.id for m in live if m.record.id not in went_ahead]
             if not final_ids:
                 return {}

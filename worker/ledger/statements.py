@@ -8,10 +8,14 @@ expanding parameter a plain `in_()` would make, so statuses are SQL constants he
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, case, func, literal_column, or_
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql import sqltypes
 
 from worker.ledger.records import MERGED
 from worker.ledger.states import ACTIVE, TERMINAL, LedgerStatus
@@ -102,3 +106,52 @@ def requeue_final(id: str, statuses: tuple[LedgerStatus, ...], values: dict[str,
         .values(status=LedgerStatus.QUEUED.value, **values)
         .returning(t.id)
     )
+
+
+class RowBatch:
+    """A batch statement of `statements` executed for many rows at once.
+
+    On PostgreSQL the statement's `VALUES (...)` becomes `SELECT * FROM unnest(...)`:
+    one array parameter per column, so the SQL text is the same whatever the batch size
+    (compiled once, prepared once per connection) and the rows are bound as a handful of
+    arrays, not one parameter set per row; the rest of the statement (ON CONFLICT,
+    RETURNING, its constants) is unchanged. Elsewhere (SQLite) the statement runs as an
+    executemany. Run with `await batch.execute(conn, rows)` on a SQLAlchemy connection:
+    errors are SQLAlchemy's, as for any statement.
+    """
+
+    def __init__(self, stmt: Any, dialect: Any) -> None:
+        self.stmt = stmt
+        self.unnest: str | None = None
+        self.columns: tuple[str, ...] = ()
+        self.constants: tuple[Any, ...] = ()
+        if dialect.name != "postgresql":
+            return
+        compiled = stmt.compile(dialect=dialect)
+        sql: str = compiled.string
+        names = list(compiled.positiontup)
+        columns = [c.name for c in requests.c if c.name in names]
+        head, sep, tail = sql.partition(" VALUES (")
+        values, close, rest = tail.partition(") ON CONFLICT")
+        casts = values.split(", ")
+        if not sep or not close or len(casts) != len(columns) or names[: len(columns)] != columns:
+            raise ValueError("not a one-row INSERT ... VALUES ... ON CONFLICT statement")
+        arrays = ", ".join(f"{cast}[]" for cast in casts)  # $1::VARCHAR -> $1::VARCHAR[]
+        self.unnest = f"{head} SELECT * FROM unnest({arrays}) ON CONFLICT{rest}"
+        self.columns = tuple(columns)
+        self.constants = tuple(compiled.params[n] for n in names[len(columns) :])
+        self._json = {c.name for c in requests.c if isinstance(c.type, sqltypes.JSON)}
+        self._dumps = dialect._json_serializer or json.dumps
+
+    async def execute(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> Any:
+        """Execute for `rows` (each a dict of every column); the result, as `execute`'s."""
+        if self.unnest is None:
+            return await conn.execute(self.stmt, list(rows))
+        dumps, json_columns = self._dumps, self._json
+        arrays: list[Any] = []
+        for name in self.columns:
+            column = [row[name] for row in rows]
+            if name in json_columns:
+                column = [None if v is None else dumps(v) for v in column]
+            arrays.append(column)
+        return await conn.exec_driver_sql(self.unnest, (*arrays, *self.constants))

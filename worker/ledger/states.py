@@ -68,7 +68,9 @@ _RANK = {LedgerStatus.QUEUED: 0, LedgerStatus.RUNNING: 1}
 
 def parse(kind: type[E], value: object, what: str) -> E:
     """`value` as a member of `kind`; ValueError naming `what` and the allowed values."""
-    if isinstance(value, str) and value in {m.value for m in kind}:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value in kind._value2member_map_:
         return kind(value)
     allowed = ", ".join(m.value for m in kind)
     raise ValueError(f"{what} {value!r} is not one of {allowed}")

@@ -63,7 +63,9 @@ class RecordWriter:
         # INSERT; batch_size stays below that), atomic without a transaction around it.
         self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._retry = retry
-        self._upsert = statements.upsert_requests(engine.dialect.name)
+        self._upsert = statements.RowBatch(
+            statements.upsert_requests(engine.dialect.name), engine.dialect
+        )
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._queue: deque[_Pending] = deque()
@@ -162,7 +164,7 @@ class RecordWriter:
         now = datetime.now(UTC)
         final_ids = {r.id for r in recs if r.terminal}
         async with self._engine.connect() as conn:
-            res = await conn.execute(self._upsert, [r.row(now) for r in recs])
+            res = await self._upsert.execute(conn, [r.row(now) for r in recs])
             stored = {
                 row["id"]: RequestRecord.from_row(row)
                 for row in res.mappings()

@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
+from broker.acks import Acker
 from broker.messages import client_of
 from broker.publisher import Requeuer
 from broker.topology import Topology
@@ -57,6 +58,7 @@ class Router:
         self.routed = 0
         self._requeuers: dict[str, Requeuer] = {}
         self._tag: str | None = None
+        self.acker = Acker()  # the source's acks, in runs (broker/acks.py)
 
     async def start(self) -> None:
         """Declare every lane (idempotent: the request queue's arguments), then consume."""
@@ -71,6 +73,7 @@ class Router:
         if self._tag is not None:
             await self.source.cancel(self._tag)
             self._tag = None
+        await self.acker.flush()
 
     async def _route(self, message: AbstractIncomingMessage) -> None:
         client = client_of(_body_client(message.body), message.app_id)
@@ -88,9 +91,9 @@ class Router:
             log.warning("could not route a message to %s (%r); requeued", lane.queue, error)
             await asyncio.sleep(REQUEUE_PAUSE_S)
             with contextlib.suppress(Exception):  # its channel gone: the broker requeues
-                await message.nack(requeue=True)
+                await self.acker.nack(message, requeue=True)
             return
-        await message.ack()
+        await self.acker.ack(message)
         self.routed += 1
         self.metrics.on_message(MessageEvent.ROUTED)
         self.lanes.has_messages(lane.client)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from broker.acks import Acks, DirectAcks
 from broker.messages import CRASHES_HEADER
 from broker.publisher import Requeuer
 from worker.ledger import LedgerStore, RequestRecord
@@ -64,8 +65,10 @@ class Settlement:
         *,
         delivery_limit: int,
         requeuer: Requeuer | None = None,
+        acks: Acks | None = None,
     ) -> None:
         self.ledger = ledger
+        self.acks: Acks = acks if acks is not None else DirectAcks()
         self.replier = replier
         self.metrics = metrics
         self.delivery_limit = delivery_limit
@@ -98,7 +101,7 @@ class Settlement:
             return
         for message, _ in flight.copies:
             with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+                await self.acks.nack(message, requeue=True)
                 self.metrics.on_message(MessageEvent.REQUEUED)
         flight.copies.clear()
         flight.settled.set()
@@ -142,7 +145,7 @@ class Settlement:
         if stored is not None and stored.terminal:
             body = self._ledger_answer(to, record, stored, body)
         await self._answer(to, body)
-        await message.reject(requeue=False)
+        await self.acks.reject(message, requeue=False)
         self.metrics.on_message(MessageEvent.REJECTED)
         await self._settle_copies(to, body)
 
@@ -158,7 +161,7 @@ class Settlement:
             await self._answer(to, body)
             await self._settle_copies(to, body)
         finally:
-            await message.reject(requeue=False)
+            await self.acks.reject(message, requeue=False)
             self.metrics.on_message(MessageEvent.REJECTED)
 
     def last_delivery(self, delivery_count: int | None) -> bool:
@@ -217,7 +220,7 @@ class Settlement:
 
     async def _nack(self, message: AbstractIncomingMessage, request_id: str | None) -> None:
         try:
-            await message.nack(requeue=True)
+            await self.acks.nack(message, requeue=True)
             self.metrics.on_message(MessageEvent.REQUEUED)
         except Exception as e:
             log.warning(
@@ -267,7 +270,7 @@ class Settlement:
 
     async def _ack_one(self, message: AbstractIncomingMessage, request_id: str) -> None:
         try:
-            await message.ack()
+            await self.acks.ack(message)
             self.metrics.on_message(MessageEvent.ACKED)
         except Exception as e:  # channel gone: the broker redelivers, the ledger answers
             log.warning(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
+from broker.acks import Acker
 from broker.publisher import ReplyPublisher, Requeuer
 from broker.topology import Topology
 from worker.builder import RequestBuilder
@@ -58,6 +59,7 @@ class Serving:
     settlement: Settlement
     delivery: Delivery
     intake: Intake
+    acker: Acker
     lanes: Lanes | None = None
     router: Router | None = None
 
@@ -71,12 +73,14 @@ async def wire(w: Wiring) -> Serving:
     cfg, engine = w.config, w.engine
     lanes = _lanes(w)
     replier = Replier(ReplyPublisher(w.publish))
+    acker = Acker()  # acks in runs: one frame for many (broker/acks.py)
     settlement = Settlement(
         w.ledger,
         replier,
         w.metrics,
         delivery_limit=cfg.delivery_limit,
         requeuer=Requeuer(w.publish, w.queue),
+        acks=acker,
     )
     delivery = Delivery(
         engine=engine,
@@ -104,7 +108,7 @@ async def wire(w: Wiring) -> Serving:
         queue = await w.consume.declare_queue(w.queue, passive=True)
         flow = FlowControl(window, cfg.reserve_blocks)
         parts = (engine, flow, w.drain, settlement, w.metrics, delivery.handle)
-        return Serving(replier, settlement, delivery, QueueIntake(queue, *parts, **timing))
+        return Serving(replier, settlement, delivery, QueueIntake(queue, *parts, **timing), acker)
     # Fair mode: a look-ahead per lane (worker/serving/lanes.py).
     flow = FlowControl(max_seqs + lanes.lookahead * len(lanes.lanes), cfg.reserve_blocks)
     parts = (engine, flow, w.drain, settlement, w.metrics, delivery.handle)
@@ -115,7 +119,7 @@ async def wire(w: Wiring) -> Serving:
     await router.start()
     pull = [await w.connection.channel(publisher_confirms=False) for _ in range(PULLERS)]
     intake = LaneIntake(pull, lanes, *parts, **timing)
-    return Serving(replier, settlement, delivery, intake, lanes, router)
+    return Serving(replier, settlement, delivery, intake, acker, lanes, router)
 
 
 def _lanes(w: Wiring) -> Lanes | None:
