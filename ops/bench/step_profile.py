@@ -142,9 +142,10 @@ def _has_ancestor(event: Any, name: str) -> bool:
     return False
 
 
-def linear_limit(engine: LLMEngine, batch: int, repeats: int = 5) -> float:
+def linear_limit(engine: LLMEngine, batch: int, repeats: int = 25) -> float:
     """Tokens/s of the model's linear layers alone (decoder layers + output projection)
-    on a [batch, in] input in each layer's own dtype: the best of `repeats` passes."""
+    on a [batch, in] input in each layer's own dtype: the best of `repeats` passes (a pass
+    takes tens of ms; on a shared machine five passes left the best 1.8x apart run to run)."""
     model = engine.runner.model
     layers: list[tuple[torch.Tensor, torch.Tensor]] = []
     for m in model.modules():
