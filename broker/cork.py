@@ -16,6 +16,7 @@ once, and a busy one waits for a fraction of a millisecond at most.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory
@@ -29,6 +30,32 @@ def loop_is_busy(loop: asyncio.AbstractEventLoop) -> bool:
     return bool(getattr(loop, "_ready", None))
 
 
+class EndOfTurn:
+    """Calls `flush` once after the event-loop turn in which `arm()` was first called
+    since the last flush: at the end of that turn on an idle loop, up to MAX_TURNS turns
+    later while other callbacks are ready (they may add to what `flush` sends)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, flush: Callable[[], None]) -> None:
+        self._loop = loop
+        self._flush = flush
+        self._turns = 0
+        self._armed = False
+
+    def arm(self) -> None:
+        if not self._armed:
+            self._armed = True
+            self._turns = 0
+            self._loop.call_soon(self._end_of_turn)
+
+    def _end_of_turn(self) -> None:
+        self._turns += 1
+        if self._turns < MAX_TURNS and loop_is_busy(self._loop):
+            self._loop.call_soon(self._end_of_turn)  # more may come in a moment
+            return
+        self._armed = False
+        self._flush()
+
+
 class _Cork:
     """Buffers a transport's writes until the end of the event-loop turn."""
 
@@ -38,20 +65,11 @@ class _Cork:
         self._write_now = transport.write
         self._close_now = transport.close
         self._pending: list[bytes] = []
-        self._turns = 0
+        self._end = EndOfTurn(loop, self.flush)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not self._pending:
-            self._turns = 0
-            self._loop.call_soon(self._end_of_turn)
         self._pending.append(bytes(data))
-
-    def _end_of_turn(self) -> None:
-        self._turns += 1
-        if self._turns < MAX_TURNS and self._pending and loop_is_busy(self._loop):
-            self._loop.call_soon(self._end_of_turn)  # more may be written in a moment
-        else:
-            self.flush()
+        self._end.arm()
 
     def flush(self) -> None:
         if not self._pending:

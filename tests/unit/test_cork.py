@@ -34,8 +34,8 @@ async def _pair() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.S
     return reader, writer, server, received
 
 
-async def test_one_turn_of_writes_is_one_socket_write_in_order() -> None:
-    _reader, writer, server, received = await _pair()
+def _corked_counting(writer: asyncio.StreamWriter) -> list[bytes]:
+    """Cork `writer`; the list returned receives each socket write the cork makes."""
     sends: list[bytes] = []
     send = writer.transport.write
 
@@ -45,6 +45,12 @@ async def test_one_turn_of_writes_is_one_socket_write_in_order() -> None:
 
     writer.transport.write = counting  # type: ignore[method-assign]
     cork(writer)
+    return sends
+
+
+async def test_one_turn_of_writes_is_one_socket_write_in_order() -> None:
+    _reader, writer, server, received = await _pair()
+    sends = _corked_counting(writer)
     for i in range(50):
         writer.write(b"frame-%d;" % i)
     assert sends == []  # held until the turn ends
@@ -63,15 +69,7 @@ async def test_one_turn_of_writes_is_one_socket_write_in_order() -> None:
 
 async def test_writes_wait_for_a_busy_loop_a_few_turns_at_most() -> None:
     _reader, writer, server, _received = await _pair()
-    sends: list[bytes] = []
-    send = writer.transport.write
-
-    def counting(data: bytes | bytearray | memoryview) -> None:
-        sends.append(bytes(data))
-        send(data)
-
-    writer.transport.write = counting  # type: ignore[method-assign]
-    cork(writer)
+    sends = _corked_counting(writer)
     writer.write(b"first;")
     # Other work keeps the loop busy and writes meanwhile: it joins the same write.
     for i in range(MAX_TURNS - 2):

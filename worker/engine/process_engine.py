@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from broker.cork import EndOfTurn
 from worker.config import EngineConfig
 from worker.engine.async_engine import EngineFront
 from worker.engine.engine import Capacity, LLMEngine
@@ -35,7 +36,6 @@ from worker.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # a first start may convert the GGUF model
-FLUSH_TURNS = 4  # event-loop turns a command may wait while other callbacks are ready
 
 
 def _child(config: EngineConfig, conn: Connection) -> None:
@@ -103,10 +103,11 @@ class ProcessEngine(EngineFront):
         self._send_lock = threading.Lock()
         # Commands of one event-loop turn go down the pipe as one message: a burst of
         # deliveries costs one pickle and one write, not one each. While other callbacks
-        # are ready (a burst spread over a few turns) the message waits for them, up to
-        # FLUSH_TURNS turns; an idle loop sends at once.
+        # are ready (a burst spread over a few turns) the message waits for them, a few
+        # turns at most (broker.cork.EndOfTurn, as the AMQP socket's writes do); an idle
+        # loop sends at once.
         self._outbox: list[Command] = []
-        self._turns = 0
+        self._end: EndOfTurn | None = None
 
     @classmethod
     async def launch(
@@ -154,6 +155,7 @@ class ProcessEngine(EngineFront):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._end = EndOfTurn(self._loop, self._flush)
         self._running = True
         self._reader = threading.Thread(target=self._read, name="kvflow-engine-reader", daemon=True)
         self._reader.start()
@@ -186,23 +188,10 @@ class ProcessEngine(EngineFront):
 
     def _send(self, command: Command) -> None:
         self._outbox.append(command)
-        if len(self._outbox) > 1:
-            return  # a flush is already scheduled
-        loop = self._loop
-        if loop is None or isinstance(command, Stop):
+        if self._end is None or isinstance(command, Stop):
             self._flush()
         else:
-            self._turns = 0
-            loop.call_soon(self._end_of_turn)
-
-    def _end_of_turn(self) -> None:
-        self._turns += 1
-        loop = self._loop
-        busy = bool(getattr(loop, "_ready", None))  # callbacks ready to run
-        if self._turns < FLUSH_TURNS and busy and self._outbox and loop is not None:
-            loop.call_soon(self._end_of_turn)
-        else:
-            self._flush()
+            self._end.arm()
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
