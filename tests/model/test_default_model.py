@@ -58,9 +58,9 @@ def test_bfloat16_next_token_agrees_with_float32(default_model_dir) -> None:
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
 
-    bf16 = ModelRunner(
-        EngineConfig(num_kv_blocks=256), load_model(str(default_model_dir), dtype="bfloat16")
-    )
+    loaded = load_model(str(default_model_dir), dtype="bfloat16")
+    assert loaded.model.narrow_head is not None  # measured here with the narrow projection
+    bf16 = ModelRunner(EngineConfig(num_kv_blocks=256), loaded)
     agree = total = 0
     for i, (prompt_ids, out) in enumerate(zip(ids, ours, strict=True)):
         seq = prompt_ids + out.token_ids

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.candidates import top_candidates
 from worker.model.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([NB, BS, KVH, D], [NB, BS, KVH, D])
@@ -20,6 +21,12 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
 
 # Candidates per row scored again at full precision behind a narrow output projection.
 RESCORED = 16
+# Below this hidden size a narrow output projection costs more than it saves: its
+# fixed part (widening [S, V] logits, picking candidates) stays while the matmul it
+# shortens shrinks with the hidden size. Batch 64, vocabulary 49152, one thread (Intel
+# Xeon with AMX): float32 3.4 / 6.8 / 14.5 / 36.4 ms against bfloat16 with re-scoring
+# 4.9 / 5.7 / 9.4 / 14.5 ms at hidden sizes 64 / 128 / 256 / 576.
+NARROW_HEAD_MIN_HIDDEN = 128
 
 
 class Linear(nn.Module):
@@ -211,7 +218,9 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(h.to(weight.dtype), weight).float()
         logits = self.narrow_head(h).float()  # [S, V], bfloat16 rounding
         k = min(RESCORED, logits.shape[-1])
-        top = logits.topk(k, dim=-1, sorted=False).indices  # [S, k]
+        # Block maxima first, then topk over the best blocks: ~4x torch's topk over the
+        # whole row of a vocabulary this size on CPU.
+        top = top_candidates(logits, k)[1]  # [S, k]
         # [S, k, C] candidate rows @ [S, C, 1] -> [S, k] exact scores
         exact = torch.bmm(weight[top], h.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
         out: torch.Tensor = logits.scatter_(1, top, exact.float())

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from worker.model.config import ModelConfig
 from worker.model.gguf import cached_conversion, default_model_path
-from worker.model.llama import Linear, LlamaForCausalLM, Rotary
+from worker.model.llama import NARROW_HEAD_MIN_HIDDEN, Linear, LlamaForCausalLM, Rotary
 from worker.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +64,8 @@ def load_model(
     `dtype` with its best candidates scored again in float32
     (`LlamaForCausalLM.narrow_output_projection`): with a plain bfloat16 projection the
     default model's next token agreed with float32's at 98.4% of positions, with a
-    float32 one 99.1% (tests/model/test_default_model.py). On CUDA the whole model
+    float32 one 99.1% (tests/model/test_default_model.py); a model with a hidden size
+    under NARROW_HEAD_MIN_HIDDEN keeps one float32 projection. On CUDA the whole model
     takes `dtype`.
     """
     path = resolve_model_dir(model, cache_dir)
@@ -76,7 +77,7 @@ def load_model(
     state = _read_state_dict(path, cfg, torch_dtype, act_dtype, dev)
     net.load_state_dict(state, strict=True, assign=True)
     net.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings).to(dev, act_dtype)
-    if dev.type == "cpu":
+    if dev.type == "cpu" and cfg.hidden_size >= NARROW_HEAD_MIN_HIDDEN:
         net.narrow_output_projection(torch_dtype)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
