@@ -9,51 +9,19 @@ the client opens a socket whose writes are held until the current turn of the ev
 loop ends and then sent together; the bytes and their order are the same, only the
 system calls are fewer. Under load a burst's work spreads over a few turns (a confirm
 wakes its caller a turn later, which then acks), so while other callbacks are ready the
-write waits for them, up to `MAX_TURNS` turns: a loop with nothing else to do writes at
-once, and a busy one waits for a fraction of a millisecond at most.
+write waits for them (`broker.turns.EndOfTurn`): a loop with nothing else to do writes
+at once, and a busy one waits for a fraction of a millisecond at most.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory
 from yarl import URL
 
-MAX_TURNS = 4  # turns a write may wait while other callbacks are ready
-
-
-def loop_is_busy(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether callbacks are ready to run on `loop` (its ready queue, when it has one)."""
-    return bool(getattr(loop, "_ready", None))
-
-
-class EndOfTurn:
-    """Calls `flush` once after the event-loop turn in which `arm()` was first called
-    since the last flush: at the end of that turn on an idle loop, up to MAX_TURNS turns
-    later while other callbacks are ready (they may add to what `flush` sends)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, flush: Callable[[], None]) -> None:
-        self._loop = loop
-        self._flush = flush
-        self._turns = 0
-        self._armed = False
-
-    def arm(self) -> None:
-        if not self._armed:
-            self._armed = True
-            self._turns = 0
-            self._loop.call_soon(self._end_of_turn)
-
-    def _end_of_turn(self) -> None:
-        self._turns += 1
-        if self._turns < MAX_TURNS and loop_is_busy(self._loop):
-            self._loop.call_soon(self._end_of_turn)  # more may come in a moment
-            return
-        self._armed = False
-        self._flush()
+from broker.turns import EndOfTurn
 
 
 class _Cork:

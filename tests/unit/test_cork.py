@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from broker.cork import MAX_TURNS, cork
+from broker.cork import cork
+from broker.turns import MAX_TURNS
 
 
 async def _turns_until(done: Callable[[], bool]) -> int:

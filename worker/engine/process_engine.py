@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from broker.cork import EndOfTurn
+from broker.turns import EndOfTurn
 from worker.config import EngineConfig
 from worker.engine.async_engine import EngineFront
 from worker.engine.engine import Capacity, LLMEngine
@@ -104,7 +104,7 @@ class ProcessEngine(EngineFront):
         # Commands of one event-loop turn go down the pipe as one message: a burst of
         # deliveries costs one pickle and one write, not one each. While other callbacks
         # are ready (a burst spread over a few turns) the message waits for them, a few
-        # turns at most (broker.cork.EndOfTurn, as the AMQP socket's writes do); an idle
+        # turns at most (broker.turns.EndOfTurn, as the AMQP socket's writes do); an idle
         # loop sends at once.
         self._outbox: list[Command] = []
         self._end: EndOfTurn | None = None

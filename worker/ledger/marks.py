@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker.turns import end_of_burst
 from worker.ledger import statements
 from worker.ledger.records import MERGED, RequestRecord
 from worker.ledger.retry import Retrier
@@ -82,7 +83,7 @@ class DeliveryMarks:
         self._marks.clear()
 
     async def _loop(self) -> None:
-        await asyncio.sleep(0)  # let the calls made in this loop iteration join
+        await end_of_burst()  # let the deliveries of this burst join
         while self._marks:
             # One round takes the first pending delivery of each id (a second delivery of
             # the same id, rare, goes in the next round so attempts counts both).

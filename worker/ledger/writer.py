@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker.turns import end_of_burst
 from worker.ledger import statements
 from worker.ledger.records import RequestRecord, merge
 from worker.ledger.retry import Retrier
@@ -134,9 +135,10 @@ class RecordWriter:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._full.wait(), self._flush_interval_s)
                 else:
-                    # Group commit: write what is queued now; what comes while this batch
-                    # is written joins the next one.
-                    await asyncio.sleep(0)
+                    # Group commit: write what this burst of callbacks queues (a few
+                    # event-loop turns at most); what comes while it is written joins
+                    # the next batch.
+                    await end_of_burst()
             batch = list(itertools.islice(self._queue, self._batch_size))
             rows: dict[str, RequestRecord] = {}  # one per id: merged in memory
             for item in batch:
