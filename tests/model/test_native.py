@@ -57,17 +57,29 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
     return paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, dim**-0.5)
 
 
+# Blocks of 16 and 32 keys take the kernel's 16-keys-at-a-time score path where the CPU
+# has AVX-512 (a window starts runs mid-block: partial runs take the per-key path); 8
+# query heads per KV head at D 64 hold more accumulators than it keeps in registers.
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "window"),
-    [(9, 3, 64, None), (4, 4, 128, None), (8, 2, 32, None), (6, 1, 64, 7)],
+    ("heads", "kv_heads", "dim", "window", "bs"),
+    [
+        (9, 3, 64, None, 4),
+        (4, 4, 128, None, 4),
+        (8, 2, 32, None, 4),
+        (6, 1, 64, 7, 4),
+        (9, 3, 64, None, 16),
+        (4, 4, 128, None, 16),
+        (8, 2, 32, 21, 16),
+        (16, 2, 64, None, 16),
+        (6, 1, 64, 37, 32),
+    ],
 )
 def test_kernel_equals_the_torch_path(
-    heads: int, kv_heads: int, dim: int, window: int | None
+    heads: int, kv_heads: int, dim: int, window: int | None, bs: int
 ) -> None:
     loaded = load_native()
     assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
-    bs = 4
-    q, k_cache, v_cache, tables, lens = _case(11, heads, kv_heads, dim, bs, seed=heads * dim)
+    q, k_cache, v_cache, tables, lens = _case(11, heads, kv_heads, dim, bs, seed=heads * dim + bs)
     want = _torch_path(q, k_cache, v_cache, tables, lens, bs, window)
     got = torch.full_like(q, float("nan"))
     loaded.kernels.paged_decode(
@@ -88,7 +100,7 @@ def test_kernel_reads_a_bfloat16_cache() -> None:
     float32: it equals the float32 path run on the same (widened) values."""
     loaded = load_native()
     assert loaded.kernels is not None, loaded.reason
-    bs = 4
+    bs = 16
     q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=11)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     want = _torch_path(q, k16.float(), v16.float(), tables, lens, bs, None)

@@ -15,6 +15,11 @@
  * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
  * a float32): scores, softmax and sums stay float32.
  *
+ * With AVX-512 (built with -march=native on such a CPU) and D a multiple of 16, the score
+ * pass takes 16 keys of a block at a time (their dot products summed by one transpose
+ * tree, sum16) and the value pass keeps its G x D accumulators in registers; other
+ * shapes and CPUs take the plain loops, which the compiler vectorises per key.
+ *
  * Threads: OpenMP over (sequence, KV head) pairs. The library links libgomp.so.1 by
  * soname, so inside torch's process it shares torch's OpenMP runtime and thread count.
  */
@@ -23,8 +28,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MAX_GROUP 64
+#define MAX_VECTOR_ACC 24 /* value accumulators kept in registers (of 32 AVX-512 ones) */
 
 /* A run of n cache values as float32: the run itself for a float32 cache; for a bfloat16
  * one, widened into `wide` (a bf16 value is the top half of a float32). Widening a whole
@@ -40,6 +49,48 @@ as_f32(const char *restrict run, int n, float *restrict wide, const int bf16) {
     for (int i = 0; i < n; i++) dst[i] = (uint32_t)src[i] << 16;
     return wide;
 }
+
+#if defined(__AVX512F__)
+/* Lane j of the result: the sum of v[j]'s 16 lanes. A transpose-and-add tree, 15 adds and
+ * 30 shuffles for 16 sums, where summing each vector alone takes ~8 dependent operations:
+ * the dot products of the score pass then cost little more than their FMAs. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
+    __m512 r[8], s[4];
+    /* [a0+a2 b0+b2 a1+a3 b1+b3] per 128-bit lane: pairs of keys */
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    /* keys 4i..4i+3, each summed within every 128-bit lane */
+    for (int i = 0; i < 4; i++) {
+        const __m512d c = _mm512_castps_pd(r[2 * i]), d = _mm512_castps_pd(r[2 * i + 1]);
+        s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    /* the four 128-bit lanes of each s[i] added: keys 0..15 in order */
+    const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], even),
+                                    _mm512_shuffle_f32x4(s[0], s[1], odd));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], even),
+                                    _mm512_shuffle_f32x4(s[2], s[3], odd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, even), _mm512_shuffle_f32x4(u0, u1, odd));
+}
+
+/* Scores of 16 consecutive keys kb [16, D] against one query row q [D] (D a multiple
+ * of 16): [16] dot products. */
+static inline __attribute__((always_inline)) __m512 score16(const float *restrict q,
+                                                            const float *restrict kb,
+                                                            const int D) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) {
+        const float *kr = kb + (size_t)j * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kr));
+        for (int d = 16; d < D; d += 16)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kr + d), a);
+        acc[j] = a;
+    }
+    return sum16(acc);
+}
+#endif
 
 /* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
  * a pointer to them in the cache and, in *stop, how many. */
@@ -87,7 +138,21 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         else
             prefetch_run(v_cache, elem, table, first, len, h, KVH, BS, D);
         const float *kb = as_f32(run, stop * D, wide, bf16);
-        for (int j = 0; j < stop; j++) {
+        int j = 0;
+#if defined(__AVX512F__)
+        if (D % 16 == 0) {
+            for (; j + 16 <= stop; j += 16) {
+                for (int g = 0; g < G; g++) {
+                    const __m512 s16 = _mm512_mul_ps(
+                        score16(qh + (size_t)g * D, kb + (size_t)j * D, D), _mm512_set1_ps(scale));
+                    _mm512_storeu_ps(scores + (size_t)g * m + (t - first + j), s16);
+                    const float top = _mm512_reduce_max_ps(s16);
+                    mx[g] = top > mx[g] ? top : mx[g];
+                }
+            }
+        }
+#endif
+        for (; j < stop; j++) {
             const float *kr = kb + (size_t)j * D;
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + (size_t)g * D;
@@ -112,8 +177,17 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         }
         sum[g] = z;
     }
-    /* pass 2: weighted sum of the values */
-    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    /* pass 2: weighted sum of the values. With AVX-512 and few enough of them, the G x D
+     * accumulators stay in vector registers for the whole pass (av); G and D are
+     * literals here, so the test folds away. */
+#if defined(__AVX512F__)
+    const int C = D / 16, in_regs = D % 16 == 0 && G * (D / 16) <= MAX_VECTOR_ACC;
+    __m512 av[MAX_VECTOR_ACC];
+    for (int i = 0; in_regs && i < G * C; i++) av[i] = _mm512_setzero_ps();
+#else
+    const int in_regs = 0;
+#endif
+    if (!in_regs) memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
         prefetch_run(v_cache, elem, table, t + stop, len, h, KVH, BS, D);
@@ -122,12 +196,25 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             const float *vr = vb + (size_t)j * D;
             for (int g = 0; g < G; g++) {
                 const float p = scores[(size_t)g * m + (t - first + j)];
+#if defined(__AVX512F__)
+                if (in_regs) {
+                    for (int c = 0; c < C; c++)
+                        av[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(p),
+                                                        _mm512_loadu_ps(vr + 16 * c), av[g * C + c]);
+                    continue;
+                }
+#endif
                 float *a = acc + (size_t)g * D;
 #pragma omp simd
                 for (int d = 0; d < D; d++) a[d] += p * vr[d];
             }
         }
     }
+#if defined(__AVX512F__)
+    for (int g = 0; in_regs && g < G; g++)
+        for (int c = 0; c < C; c++)
+            _mm512_storeu_ps(acc + (size_t)g * D + 16 * c, av[g * C + c]);
+#endif
     for (int g = 0; g < G; g++) {
         const float inv = 1.0f / sum[g];
 #pragma omp simd
