@@ -10,7 +10,6 @@ from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
     InPlaceDecode,
-    PrefillChunk,
     Workspace,
     decode_mask,
     paged_attention,
@@ -189,35 +188,3 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
     else:
         assert auto.info.kv_cache_dtype.startswith("float32 (auto")
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in narrow.kv_caches)
-
-
-def test_a_fresh_prompt_attends_over_its_keys_as_a_narrow_cache_holds_them() -> None:
-    """With a bfloat16 cache, a fresh prompt's chunk (its own K/V, no gather) gives what
-    the same chunk gives reading every key back from the cache: recomputing a preempted
-    sequence sees the values its decode steps saw."""
-    g = torch.Generator().manual_seed(5)
-    n, heads, kvh, dim, bs = 10, 4, 2, 16, 4
-    q = torch.randn(n, heads, dim, generator=g)
-    k = torch.randn(n, kvh, dim, generator=g)
-    v = torch.randn(n, kvh, dim, generator=g)
-    slots = torch.arange(n)
-    blocks = -(-n // bs)
-    # rows block * KVH + head in (head, block) order: the sequence's keys as [KVH, L, D]
-    rows = torch.tensor([b * kvh + h for h in range(kvh) for b in range(blocks)])
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    outs = []
-    for chunk in (PrefillChunk(0, n, 0, None, None), PrefillChunk(0, n, 0, rows, causal)):
-        k_cache = torch.zeros(8, kvh, bs, dim, dtype=torch.bfloat16)
-        v_cache = torch.zeros_like(k_cache)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            slot_blocks=slots // bs,
-            slot_offsets=slots % bs,
-            decode_groups=[],
-            prefills=[chunk],
-            in_place=None,
-            block_size=bs,
-            workspace=Workspace(torch.device("cpu"), torch.bfloat16),  # the cache's dtype
-        )
-        outs.append(paged_attention(q, k, v, k_cache, v_cache, meta, dim**-0.5))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)

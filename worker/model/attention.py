@@ -124,12 +124,8 @@ def paged_attention(
     # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is. The
     # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
     # stream on CPU): values are rounded as they are stored, and widened where read.
-    if k_cache.dtype != k.dtype:
-        # Every query sees K/V as stored, a fresh prompt's own included: recomputing a
-        # preempted sequence's prefill then attends over the values its decode steps read.
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
     out = torch.empty_like(q)
     run_elems = meta.block_size * D  # one head's keys in one block
@@ -177,8 +173,8 @@ def paged_attention(
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1)  # [H, L, D]
         if p.gather_index is None:
-            kp = k[p.start : p.end].transpose(0, 1).to(q.dtype)  # [KVH, L, D]
-            vp = v[p.start : p.end].transpose(0, 1).to(q.dtype)
+            kp = k[p.start : p.end].transpose(0, 1)  # [KVH, L, D]
+            vp = v[p.start : p.end].transpose(0, 1)
         else:
             rows = p.gather_index.numel()
             total = p.num_context + (p.end - p.start)
