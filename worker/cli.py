@@ -24,9 +24,10 @@ def engine_options(fn: F) -> F:
         ),
         click.option(
             "--dtype",
-            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8"]),
             default=None,
-            help="auto (default): bfloat16 where the hardware has it natively, else float32.",
+            help="auto (default): bfloat16 where the hardware has it natively, else float32; "
+            "int8 (CPU): int8 linear layers, activations quantized per call.",
         ),
         click.option("--device", default=None, help="cpu, cuda or cuda:N."),
         click.option(

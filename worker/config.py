@@ -23,7 +23,7 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the model is loaded
 
 # "auto": chosen at start-up from what the hardware multiplies natively (worker.hardware).
-CPU_DTYPES = ("auto", "float32", "bfloat16")
+CPU_DTYPES = ("auto", "float32", "bfloat16", "int8")
 CUDA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 

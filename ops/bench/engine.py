@@ -327,7 +327,10 @@ def main() -> None:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(
-                engine.loaded.path, dtype=getattr(torch, engine.info.dtype)
+                engine.loaded.path,
+                dtype=torch.float32
+                if engine.info.dtype == "int8"
+                else getattr(torch, engine.info.dtype),
             ).eval()
         return hf_model
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import worker.model.llama as llama_mod
+import worker.model.quant as quant_mod
 from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
@@ -65,6 +67,7 @@ def _labelled(engine: LLMEngine) -> Iterator[None]:
 
     wrap(llama_mod, "paged_attention", "kv.attention")
     wrap(llama_mod.Linear, "forward", "kv.linear")
+    wrap(quant_mod.Int8Linear, "forward", "kv.linear")
     wrap(engine.runner.model, "forward", "kv.forward")
     wrap(engine.runner.model, "compute_logits", "kv.linear")
     wrap(engine.runner, "sampler", "kv.sampling")
@@ -144,22 +147,29 @@ def _has_ancestor(event: Any, name: str) -> bool:
 
 def linear_limit(engine: LLMEngine, batch: int, repeats: int = 25) -> float:
     """Tokens/s of the model's linear layers alone (decoder layers + output projection)
-    on a [batch, in] input in each layer's own dtype: the best of `repeats` passes (a pass
+    on a [batch, in] input in each layer's own dtype (float32 into int8 layers): the best of `repeats` passes (a pass
     takes tens of ms; on a shared machine five passes left the best 1.8x apart run to run)."""
     model = engine.runner.model
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layers: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = []
     for m in model.modules():
         if isinstance(m, llama_mod.Linear):
-            layers.append((torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype), m.weight))
-    if model.narrow_head is None:  # else the narrow projection is one of the Linear modules
+            w = m.weight
+            layers.append(
+                (torch.randn(batch, w.shape[1], dtype=w.dtype), partial(F.linear, weight=w))
+            )
+        elif isinstance(m, quant_mod.Int8Linear):  # float32 in, the module's own steps
+            layers.append((torch.randn(batch, m.in_features), m))
+    if model.narrow_head is None:  # else the narrow projection is one of the modules above
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        layers.append((torch.randn(batch, head.shape[1], dtype=head.dtype), head))
+        layers.append(
+            (torch.randn(batch, head.shape[1], dtype=head.dtype), partial(F.linear, weight=head))
+        )
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for x, w in layers:
-                F.linear(x, w)
+            for x, fn in layers:
+                fn(x)
             best = min(best, time.perf_counter() - t0)
     return batch / best
 

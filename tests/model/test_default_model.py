@@ -9,6 +9,7 @@ from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
+from worker.hardware import AGREEMENT_BAR, INT8_AGREEMENT
 from worker.model.loader import load_model
 from worker.request import SamplingParams
 
@@ -122,3 +123,78 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
             total += 1
     assert total == 64 * len(PROMPTS)
     assert agree / total >= 0.99, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"
+
+
+# Int8 linear layers miss the 99% bar on this model (worker.hardware.INT8_AGREEMENT);
+# they must not drift below what was measured by more than a few positions either.
+INT8_FLOOR = 0.85
+
+
+def _int8_check(agree: int, total: int) -> None:
+    assert total == 64 * len(PROMPTS)
+    assert agree / total >= INT8_FLOOR, f"int8 agrees on {agree}/{total} next tokens"
+    # Auto picks int8 only over the bar: if the measurement crosses it, update the figure.
+    assert (agree / total >= AGREEMENT_BAR) == (INT8_AGREEMENT >= AGREEMENT_BAR), (
+        f"int8 agrees on {agree}/{total}; worker.hardware.INT8_AGREEMENT is {INT8_AGREEMENT}"
+    )
+
+
+@pytest.mark.slow
+def test_int8_next_token_agreement_with_float32(default_model_dir) -> None:
+    """Teacher forcing, prefill and decode (as the bfloat16 tests above): int8 linear
+    layers pick float32's next token at 288 of 320 positions in prefill (90%)."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="float32"))
+    tok = engine.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    int8 = ModelRunner(
+        EngineConfig(num_kv_blocks=256), load_model(str(default_model_dir), dtype="int8")
+    )
+    assert int8.kv_dtype == torch.float32
+    seqs = [p + o.token_ids for p, o in zip(ids, ours, strict=True)]
+    blocks = [list(range(i * 16, (i + 1) * 16)) for i in range(len(seqs))]  # 256 tokens each
+
+    def sched(i: int, start: int, n: int, rid: str) -> ScheduledRequest:
+        return ScheduledRequest(
+            request_id=rid,
+            token_ids=seqs[i],
+            start=start,
+            num_new_tokens=n,
+            block_ids=blocks[i],
+            num_prompt_tokens=len(ids[i]),
+            sampling_params=SamplingParams(temperature=0.0),
+            eos_token_ids=(),
+        )
+
+    agree = total = 0
+    for i, out in enumerate(ours):  # prefill: every position in one pass
+        logits = int8.all_logits([sched(i, 0, len(seqs[i]) - 1, "x")])["x"]
+        picks = logits[len(ids[i]) - 1 :].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(picks, out.token_ids, strict=True))
+        total += len(out.token_ids)
+    print(f"int8 prefill: {agree}/{total}")
+    _int8_check(agree, total)
+
+    # decode: the prompt prefilled, then one token per step read back from the KV cache
+    int8.all_logits([sched(i, 0, len(ids[i]) - 1, str(i)) for i in range(len(seqs))])
+    agree = total = 0
+    for k in range(64):  # position len(prompt) - 1 + k predicts output token k
+        logits = int8.all_logits(
+            [sched(i, len(ids[i]) - 1 + k, 1, str(i)) for i in range(len(seqs))]
+        )
+        for i, out in enumerate(ours):
+            agree += int(logits[str(i)][-1].argmax()) == out.token_ids[k]
+            total += 1
+    print(f"int8 decode: {agree}/{total}")
+    _int8_check(agree, total)
+
+
+@pytest.mark.slow
+def test_the_engine_runs_the_default_model_in_int8() -> None:
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="int8"))
+    assert engine.info.dtype == "int8"
+    tok = engine.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    outs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert all(o.token_ids for o in outs)
+    assert "Paris" in outs[0].text, outs[0].text

@@ -9,6 +9,7 @@ from worker.hardware import (
     cgroup_cpu_limit,
     choose_dtype,
     choose_kv_dtype,
+    int8_reduce_range,
     parse_cpu_flags,
 )
 
@@ -24,6 +25,31 @@ def test_auto_picks_bfloat16_only_where_the_cpu_multiplies_it_natively() -> None
     xeon = choose_dtype("auto", "cpu", XEON_NO_BF16_FLAGS)
     assert xeon.dtype == "float32" and "no native bfloat16" in xeon.reason
     assert choose_dtype("auto", "cpu", frozenset()).dtype == "float32"
+
+
+AVX2_VNNI_FLAGS = frozenset(["fma", "avx2", "avx_vnni"])  # e.g. Alder Lake
+AVX2_FLAGS = frozenset(["fma", "avx2"])
+
+
+def test_auto_picks_int8_only_with_integer_dot_products_and_agreement_over_the_bar() -> None:
+    # The measured agreement is under the bar: float32, and the log says why.
+    xeon = choose_dtype("auto", "cpu", XEON_NO_BF16_FLAGS)
+    assert xeon.dtype == "float32" and "under the 99% bar" in xeon.reason
+    # Were it over the bar: int8 wherever the CPU has VNNI (or AMX int8), not elsewhere.
+    for flags in (XEON_NO_BF16_FLAGS, AVX2_VNNI_FLAGS, frozenset(["avx512f", "amx_int8"])):
+        got = choose_dtype("auto", "cpu", flags, int8_agreement=0.995)
+        assert got.dtype == "int8" and "99.5%" in got.reason
+    plain = choose_dtype("auto", "cpu", AVX2_FLAGS, int8_agreement=0.995)
+    assert plain.dtype == "float32" and "integer dot products" in plain.reason
+    # Native bfloat16 still comes first.
+    assert choose_dtype("auto", "cpu", AMD_EPYC_FLAGS, int8_agreement=1.0).dtype == "bfloat16"
+    assert choose_dtype("int8", "cpu", AVX2_FLAGS).dtype == "int8"
+
+
+def test_int8_inputs_take_7_bits_only_without_vnni() -> None:
+    assert not int8_reduce_range(XEON_NO_BF16_FLAGS)
+    assert not int8_reduce_range(AVX2_VNNI_FLAGS)
+    assert int8_reduce_range(AVX2_FLAGS)
 
 
 def test_an_explicit_dtype_is_kept_whatever_the_cpu() -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.candidates import top_candidates
 from worker.model.config import ModelConfig
+from worker.model.quant import Int8Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([NB, BS, KVH, D], [NB, BS, KVH, D])
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
@@ -175,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.narrow_head: Linear | None = None  # see `narrow_output_projection`
+        self.narrow_head: Linear | Int8Linear | None = None  # see `narrow_output_projection`
 
     def forward(
         self,
@@ -191,20 +192,24 @@ class LlamaForCausalLM(nn.Module):
         out: torch.Tensor = x
         return out
 
-    def narrow_output_projection(self, dtype: torch.dtype) -> None:
+    def narrow_output_projection(self, dtype: torch.dtype, reduce_range: bool = False) -> None:
         """Compute the logits through a `dtype` copy of the output projection, then score
         the best RESCORED candidates of each row again in the projection's own dtype.
+        `torch.qint8` means an Int8Linear copy (`reduce_range` as for the decoder's).
 
         On a CPU with bfloat16 linear layers the float32 projection (vocabulary x hidden,
         the largest matrix of a small model) took ~30% of a batch-64 decode step against
         ~5% in bfloat16; a bfloat16 projection alone moved the default model's greedy
         pick off float32's at ~0.7% more positions. Re-scored exactly, the candidates
         that can win keep float32's values (greedy picks equal float32's unless float32's
-        best is outside bfloat16's top RESCORED); the rest of the row, which only weighs
-        in a sampled draw, keeps bfloat16's rounding.
+        best is outside the narrow copy's top RESCORED); the rest of the row, which only
+        weighs in a sampled draw, keeps the narrow copy's rounding.
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if weight.dtype == dtype:
+            return
+        if dtype == torch.qint8:
+            self.narrow_head = Int8Linear(weight, None, reduce_range)
             return
         head = Linear(self.config.hidden_size, self.config.vocab_size)
         head.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
@@ -216,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.narrow_head is None:
             return F.linear(h.to(weight.dtype), weight).float()
-        logits = self.narrow_head(h).float()  # [S, V], bfloat16 rounding
+        logits = self.narrow_head(h).float()  # [S, V], the narrow copy's rounding
         k = min(RESCORED, logits.shape[-1])
         # Block maxima first, then topk over the best blocks: ~4x torch's topk over the
         # whole row of a vocabulary this size on CPU.

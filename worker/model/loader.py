@@ -12,12 +12,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from worker.hardware import int8_reduce_range, read_cpu_flags
 from worker.model.config import ModelConfig
 from worker.model.gguf import cached_conversion, default_model_path
 from worker.model.llama import NARROW_HEAD_MIN_HIDDEN, Linear, LlamaForCausalLM, Rotary
+from worker.model.quant import Int8Linear
 from worker.model.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "int8" (CPU only): the linear layers are Int8Linear (worker.model.quant), the rest float32.
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.qint8,
+}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -66,18 +74,28 @@ def load_model(
     default model's next token agreed with float32's at 98.4% of positions, with a
     float32 one 99.1% (tests/model/test_default_model.py); a model with a hidden size
     under NARROW_HEAD_MIN_HIDDEN keeps one float32 projection. On CUDA the whole model
-    takes `dtype`.
+    takes `dtype`. "int8" (CPU only) loads the linear layers in float32 and quantizes
+    them (`Int8Linear`), the output projection's narrow copy included.
     """
+    dev = torch.device(device)
+    if dtype == "int8" and dev.type != "cpu":
+        raise ValueError(f"dtype int8 runs on CPU only, not on {device}")
     path = resolve_model_dir(model, cache_dir)
     cfg = ModelConfig.from_dir(path)
     torch_dtype = DTYPES[dtype]
-    dev = torch.device(device)
     act_dtype = torch.float32 if dev.type == "cpu" else torch_dtype
+    linear_dtype = act_dtype if torch_dtype == torch.qint8 else torch_dtype  # as stored
     net = LlamaForCausalLM(cfg, max_positions=1)  # uninitialised; the checkpoint fills it
-    state = _read_state_dict(path, cfg, torch_dtype, act_dtype, dev)
+    state = _read_state_dict(path, cfg, linear_dtype, act_dtype, dev)
     net.load_state_dict(state, strict=True, assign=True)
     net.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings).to(dev, act_dtype)
-    if dev.type == "cpu" and cfg.hidden_size >= NARROW_HEAD_MIN_HIDDEN:
+    narrow = dev.type == "cpu" and cfg.hidden_size >= NARROW_HEAD_MIN_HIDDEN
+    if torch_dtype == torch.qint8:
+        reduce_range = int8_reduce_range(read_cpu_flags())
+        _quantize_decoder(net, reduce_range)
+        if narrow:
+            net.narrow_output_projection(torch.qint8, reduce_range)
+    elif narrow:
         net.narrow_output_projection(torch_dtype)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
@@ -89,13 +107,25 @@ def load_model(
 
 def dtype_name(loaded: LoadedModel) -> str:
     """The name (a key of DTYPES) of the dtype the linear layers were loaded in."""
-    dtype = next(m.weight.dtype for m in loaded.model.modules() if isinstance(m, Linear))
-    return next(name for name, d in DTYPES.items() if d == dtype)
+    for m in loaded.model.layers.modules():
+        if isinstance(m, Int8Linear):
+            return "int8"
+        if isinstance(m, Linear):
+            return DTYPE_NAMES[m.weight.dtype]
+    raise ValueError("the model has no linear layers")
 
 
 def activation_dtype(loaded: LoadedModel) -> torch.dtype:
     """The dtype of the residual stream and the KV cache (float32 on CPU)."""
     return loaded.model.embed_tokens.weight.dtype
+
+
+def _quantize_decoder(net: LlamaForCausalLM, reduce_range: bool) -> None:
+    """Swap each decoder layer's Linear for an Int8Linear of the same weights."""
+    for parent in list(net.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                setattr(parent, name, Int8Linear(child.weight, child.bias, reduce_range))
 
 
 def _default_name(path: Path) -> str:
