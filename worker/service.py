@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -41,6 +42,26 @@ log = logging.getLogger(__name__)
 
 ROUTER_WINDOW = 64  # messages a worker's router holds at once (fair mode)
 PULLERS = 4  # gets in flight at once from the lanes (fair mode)
+# Tracked allocations between young-generation collections while serving (Python's
+# default is 700): requests allocate and drop thousands of small objects a second.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def settle_heap() -> None:
+    """Once started, keep the cyclic garbage collector off the start-up heap.
+
+    What the worker process holds once it is up (modules, torch's and the clients'
+    objects: ~240k of them) lives as long as the process; frozen, a full collection
+    no longer walks it. Under 4,000 one-token requests (ops/bench/pipeline.py, 2-layer
+    model) the collector took 0.25 s of the event loop by default, one full collection
+    0.14 s of it, and 0.002 s with the heap frozen and young collections every 10,000
+    allocations. Only for a worker whose engine runs in its own process: an engine
+    object handed in (tests) would be frozen with everything it refers to.
+    """
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def default_worker_id() -> str:
@@ -118,6 +139,8 @@ class Service:
             )
             await control.start()
             self._install_signals()
+            if self._llm is None:
+                settle_heap()
             self._set_state(WorkerState.SERVING)
             self.drain_state.resume()
             log.info(
