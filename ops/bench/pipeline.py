@@ -263,6 +263,18 @@ async def drop_schema(base_url: str, schema: str) -> None:
     await conn.close()
 
 
+async def drop_queues(amqp_url: str, *names: str) -> None:
+    """Delete the benchmark's queues once their consumer is gone (each run makes new ones)."""
+    import aio_pika
+
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        for name in names:
+            channel = await connection.channel()
+            with contextlib.suppress(aio_pika.exceptions.ChannelClosed):
+                await channel.queue_delete(name)  # a queue never declared closes the channel
+
+
 def start_echo(args: argparse.Namespace, queue: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, str(Path(__file__).with_name("echo.py")), "--queue", queue]
     cmd += ["--prefetch", str(args.max_num_seqs + 2), "--amqp-url", args.amqp_url]
@@ -344,6 +356,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
             asyncio.run(drop_schema(args.database_url, schema))
+            asyncio.run(drop_queues(args.amqp_url, queue, f"{queue}.dead"))
 
     def ceiling(queue: str, pid: int, desc: str, clients: Sequence[str] = ("default",)) -> Any:
         return asyncio.run(
@@ -432,6 +445,7 @@ def echo_running(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     finally:
         echo.terminate()
         echo.wait(30)
+        asyncio.run(drop_queues(args.amqp_url, queue, f"{queue}.dead"))
 
 
 def _median_req(runs: list[dict[str, Any]]) -> dict[str, Any]:
