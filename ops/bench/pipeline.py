@@ -426,9 +426,9 @@ def floor_and_tiny(
             runs(None, None)
     out: dict[str, Any] = {}
     if echoes:
-        out["echo"] = _median_req(echoes)
+        out["echo"] = _median(echoes, "req_s", "runs_req_s")
     if tinies:
-        out["ceiling_tiny"] = _median_req(tinies)
+        out["ceiling_tiny"] = _median(tinies, "req_s", "runs_req_s")
     if echoes and tinies:
         out["tiny_shares"] = [t["req_s"] / e["req_s"] for e, t in zip(echoes, tinies, strict=True)]
     return out
@@ -446,12 +446,6 @@ def echo_running(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
         echo.terminate()
         echo.wait(30)
         asyncio.run(drop_queues(args.amqp_url, queue, f"{queue}.dead"))
-
-
-def _median_req(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median requests/s (its CPU split comes with it), and every run's."""
-    ordered = sorted(runs, key=lambda r: r["req_s"])
-    return {**ordered[len(ordered) // 2], "runs_req_s": [r["req_s"] for r in runs]}
 
 
 def engine_step_cost(model: str, n: int) -> list[dict[str, Any]]:
@@ -617,10 +611,13 @@ def _figures(median: dict[str, Any]) -> str:
     return ", ".join(f"{x:.1f}" for x in median["rounds"])
 
 
-def _median(runs: list[dict[str, float]]) -> dict[str, float]:
-    """The run with the median output tok/s (its other figures come with it)."""
-    ordered = sorted(runs, key=lambda r: r["output_tok_s"])
-    return {**ordered[len(ordered) // 2], "rounds": [r["output_tok_s"] for r in runs]}  # type: ignore[dict-item]
+def _median(
+    runs: list[dict[str, Any]], key: str = "output_tok_s", every: str = "rounds"
+) -> dict[str, Any]:
+    """The run with the median `key` (its other figures, CPU split included, come with
+    it), and every run's `key` in run order under `every`."""
+    ordered = sorted(runs, key=lambda r: r[key])
+    return {**ordered[len(ordered) // 2], every: [r[key] for r in runs]}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

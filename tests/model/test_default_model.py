@@ -50,36 +50,70 @@ def test_greedy_matches_transformers(default_model_dir) -> None:
     assert "Paris" in ours[0].text
 
 
-@pytest.mark.slow
-def test_bfloat16_next_token_agrees_with_float32(default_model_dir) -> None:
-    """Teacher forcing: over float32's greedy continuations, bfloat16 picks the same
-    next token at >= 99% of positions (the bar `--dtype auto` must clear to pick bf16)."""
+def _float32_greedy() -> tuple[list[list[int]], list[list[int]]]:
+    """PROMPTS as chat token ids, and float32's greedy continuations (64 tokens, EOS
+    ignored): the reference the narrower dtypes are held to, under teacher forcing."""
     engine = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="float32"))
     tok = engine.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    return ids, [o.token_ids for o in ours]
 
+
+def _scheduled(ids: list[list[int]], outs: list[list[int]], i: int, start: int, n: int):
+    """Sequence i (prompt + reference continuation), tokens [start, start + n), in its own
+    16 cache blocks (256 tokens)."""
+    return ScheduledRequest(
+        request_id=str(i),
+        token_ids=ids[i] + outs[i],
+        start=start,
+        num_new_tokens=n,
+        block_ids=list(range(i * 16, (i + 1) * 16)),
+        num_prompt_tokens=len(ids[i]),
+        sampling_params=SamplingParams(temperature=0.0),
+        eos_token_ids=(),
+    )
+
+
+def _prefill_agreement(
+    runner: ModelRunner, ids: list[list[int]], outs: list[list[int]]
+) -> tuple[int, int]:
+    """(agreeing, total) next tokens, each sequence's positions in one prefill pass."""
+    agree = total = 0
+    for i, out in enumerate(outs):
+        n = len(ids[i]) + len(out) - 1  # the last token is never an input
+        logits = runner.all_logits([_scheduled(ids, outs, i, 0, n)])[str(i)]
+        picks = logits[len(ids[i]) - 1 :].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(picks, out, strict=True))
+        total += len(out)
+    return agree, total
+
+
+def _decode_agreement(
+    runner: ModelRunner, ids: list[list[int]], outs: list[list[int]]
+) -> tuple[int, int]:
+    """(agreeing, total) next tokens, the prompts prefilled, then one token per step for
+    every sequence, read back from the KV cache as a running sequence is."""
+    seqs = range(len(outs))
+    runner.all_logits([_scheduled(ids, outs, i, 0, len(ids[i]) - 1) for i in seqs])
+    agree = total = 0
+    for k in range(64):  # position len(prompt) - 1 + k predicts output token k
+        logits = runner.all_logits([_scheduled(ids, outs, i, len(ids[i]) - 1 + k, 1) for i in seqs])
+        for i, out in enumerate(outs):
+            agree += int(logits[str(i)][-1].argmax()) == out[k]
+            total += 1
+    return agree, total
+
+
+@pytest.mark.slow
+def test_bfloat16_next_token_agrees_with_float32(default_model_dir) -> None:
+    """Teacher forcing: over float32's greedy continuations, bfloat16 picks the same
+    next token at >= 99% of positions (the bar `--dtype auto` must clear to pick bf16)."""
+    ids, outs = _float32_greedy()
     loaded = load_model(str(default_model_dir), dtype="bfloat16")
     assert loaded.model.narrow_head is not None  # measured here with the narrow projection
     bf16 = ModelRunner(EngineConfig(num_kv_blocks=256), loaded)
-    agree = total = 0
-    for i, (prompt_ids, out) in enumerate(zip(ids, ours, strict=True)):
-        seq = prompt_ids + out.token_ids
-        n = len(seq) - 1  # the last token is never an input
-        blocks = list(range(i * 16, i * 16 + (n + 15) // 16))
-        sched = ScheduledRequest(
-            request_id="x",
-            token_ids=seq,
-            start=0,
-            num_new_tokens=n,
-            block_ids=blocks,
-            num_prompt_tokens=len(prompt_ids),
-            sampling_params=SamplingParams(temperature=0.0),
-            eos_token_ids=(),
-        )
-        picks = bf16.all_logits([sched])["x"][len(prompt_ids) - 1 :].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(picks, out.token_ids, strict=True))
-        total += len(out.token_ids)
+    agree, total = _prefill_agreement(bf16, ids, outs)
     assert total == 64 * len(PROMPTS)
     assert agree / total >= 0.99, f"bf16 agrees on {agree}/{total} next tokens"
 
@@ -90,37 +124,11 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
     """Teacher forcing through decode steps (each position one token, read back from the
     KV cache as a running sequence is): with bf16 linear layers and a float32 or bf16
     cache, the next token equals float32's greedy pick at >= 99% of positions."""
-    engine = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="float32"))
-    tok = engine.tokenizer
-    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-
+    ids, outs = _float32_greedy()
     cfg = EngineConfig(num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, attention="native")
     bf16 = ModelRunner(cfg, load_model(str(default_model_dir), dtype="bfloat16"))
     assert bf16.kv_dtype == getattr(torch, kv_cache_dtype)
-    seqs = [p + o.token_ids for p, o in zip(ids, ours, strict=True)]
-    blocks = [list(range(i * 16, (i + 1) * 16)) for i in range(len(seqs))]  # 256 tokens each
-
-    def sched(i: int, start: int, n: int) -> ScheduledRequest:
-        return ScheduledRequest(
-            request_id=str(i),
-            token_ids=seqs[i],
-            start=start,
-            num_new_tokens=n,
-            block_ids=blocks[i],
-            num_prompt_tokens=len(ids[i]),
-            sampling_params=SamplingParams(temperature=0.0),
-            eos_token_ids=(),
-        )
-
-    bf16.all_logits([sched(i, 0, len(ids[i]) - 1) for i in range(len(seqs))])
-    agree = total = 0
-    for k in range(64):  # position len(prompt) - 1 + k predicts output token k
-        rows = [sched(i, len(ids[i]) - 1 + k, 1) for i in range(len(seqs))]
-        logits = bf16.all_logits(rows)
-        for i, out in enumerate(ours):
-            agree += int(logits[str(i)][-1].argmax()) == out.token_ids[k]
-            total += 1
+    agree, total = _decode_agreement(bf16, ids, outs)
     assert total == 64 * len(PROMPTS)
     assert agree / total >= 0.99, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"
 
@@ -143,48 +151,15 @@ def _int8_check(agree: int, total: int) -> None:
 def test_int8_next_token_agreement_with_float32(default_model_dir) -> None:
     """Teacher forcing, prefill and decode (as the bfloat16 tests above): int8 linear
     layers pick float32's next token at 288 of 320 positions in prefill (90%)."""
-    engine = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="float32"))
-    tok = engine.tokenizer
-    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    ids, outs = _float32_greedy()
     int8 = ModelRunner(
         EngineConfig(num_kv_blocks=256), load_model(str(default_model_dir), dtype="int8")
     )
     assert int8.kv_dtype == torch.float32
-    seqs = [p + o.token_ids for p, o in zip(ids, ours, strict=True)]
-    blocks = [list(range(i * 16, (i + 1) * 16)) for i in range(len(seqs))]  # 256 tokens each
-
-    def sched(i: int, start: int, n: int, rid: str) -> ScheduledRequest:
-        return ScheduledRequest(
-            request_id=rid,
-            token_ids=seqs[i],
-            start=start,
-            num_new_tokens=n,
-            block_ids=blocks[i],
-            num_prompt_tokens=len(ids[i]),
-            sampling_params=SamplingParams(temperature=0.0),
-            eos_token_ids=(),
-        )
-
-    agree = total = 0
-    for i, out in enumerate(ours):  # prefill: every position in one pass
-        logits = int8.all_logits([sched(i, 0, len(seqs[i]) - 1, "x")])["x"]
-        picks = logits[len(ids[i]) - 1 :].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(picks, out.token_ids, strict=True))
-        total += len(out.token_ids)
+    agree, total = _prefill_agreement(int8, ids, outs)
     print(f"int8 prefill: {agree}/{total}")
     _int8_check(agree, total)
-
-    # decode: the prompt prefilled, then one token per step read back from the KV cache
-    int8.all_logits([sched(i, 0, len(ids[i]) - 1, str(i)) for i in range(len(seqs))])
-    agree = total = 0
-    for k in range(64):  # position len(prompt) - 1 + k predicts output token k
-        logits = int8.all_logits(
-            [sched(i, len(ids[i]) - 1 + k, 1, str(i)) for i in range(len(seqs))]
-        )
-        for i, out in enumerate(ours):
-            agree += int(logits[str(i)][-1].argmax()) == out.token_ids[k]
-            total += 1
+    agree, total = _decode_agreement(int8, ids, outs)
     print(f"int8 decode: {agree}/{total}")
     _int8_check(agree, total)
 
