@@ -84,29 +84,22 @@ class Requeuer:
         """Publish a copy of `message` (body and properties, `headers` merged into its
         headers) to the queue and wait for the broker's confirm; raises if it is not
         confirmed (the caller then keeps the original)."""
-        copy = aio_pika.Message(
-            message.body,
-            headers={**(message.headers or {}), **headers},
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            priority=message.priority,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            expiration=message.expiration,
-            message_id=message.message_id,
-            timestamp=message.timestamp,
-            type=message.type,
-            app_id=message.app_id,  # not user_id: the broker checks it against our login
-        )
-        copy.headers.pop("x-delivery-count", None)  # the broker's, for the old message
+        # The delivered message's own properties (a fresh object each time it is read),
+        # not an aio_pika.Message built field by field: the fair-mode router republishes
+        # every request, and that construction was half of its cost.
+        properties = message.properties
+        headers = {**(message.headers or {}), **headers}
+        headers.pop("x-delivery-count", None)  # the broker's, for the old message
+        properties.headers = headers
+        properties.delivery_mode = int(aio_pika.DeliveryMode.PERSISTENT)
+        properties.user_id = None  # the broker checks it against our login; app_id stays
         # As ReplyPublisher: handed to the writer without holding the channel's lock
         # across turns; the confirm is still awaited.
         channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
         outcome = await channel.basic_publish(
-            copy.body,
+            message.body,
             routing_key=self._queue,
-            properties=copy.properties,
+            properties=properties,
             mandatory=True,
             wait=False,
         )

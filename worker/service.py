@@ -40,8 +40,6 @@ from worker.serving.wiring import Serving, Wiring, wire
 
 log = logging.getLogger(__name__)
 
-ROUTER_WINDOW = 64  # messages a worker's router holds at once (fair mode)
-PULLERS = 4  # gets in flight at once from the lanes (fair mode)
 # Tracked allocations between young-generation collections while serving (Python's
 # default is 700): requests allocate and drop thousands of small objects a second.
 GC_YOUNG_THRESHOLD = 10_000

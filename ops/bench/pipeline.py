@@ -38,6 +38,7 @@ from typing import Any
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]
+FAIR_CLIENTS = ("a", "b")  # fair mode's clients: equal weights, requests alternating
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,6 +51,7 @@ from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.ledger import migrate
 from worker.request import SamplingParams, percentile
+from worker.serving.lanes import OTHER, lane_queue
 
 
 def in_process(engine: LLMEngine, wl: Workload) -> dict[str, float]:
@@ -356,7 +358,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
             asyncio.run(drop_schema(args.database_url, schema))
-            asyncio.run(drop_queues(args.amqp_url, queue, f"{queue}.dead"))
+            lanes = [lane_queue(queue, c) for c in (*FAIR_CLIENTS, OTHER)]  # fair mode's
+            asyncio.run(drop_queues(args.amqp_url, queue, f"{queue}.dead", *lanes))
 
     def ceiling(queue: str, pid: int, desc: str, clients: Sequence[str] = ("default",)) -> Any:
         return asyncio.run(
@@ -374,8 +377,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             results["ceiling_fair"] = with_worker(
                 str(tiny_model(Path(tmp))),
-                lambda q, pid: ceiling(q, pid, "2-layer model, fair mode", ("a", "b")),
-                ["--policy", "fair", "--client-weights", "a=1,b=1"],
+                lambda q, pid: ceiling(q, pid, "2-layer model, fair mode", FAIR_CLIENTS),
+                ["--policy", "fair", "--client-weights", ",".join(f"{c}=1" for c in FAIR_CLIENTS)],
             )
     if "ceiling" in stages:
         results["ceiling"] = with_worker(

@@ -28,7 +28,7 @@ from broker.messages import (
     encode_error,
     encode_result,
 )
-from broker.publisher import ReplyPublisher
+from broker.publisher import ReplyPublisher, Requeuer
 from broker.topology import Topology, TopologyMismatch, declare
 from tests.integration.helpers import eventually
 
@@ -184,6 +184,46 @@ async def test_message_past_the_delivery_limit_is_dead_lettered(amqp_connection,
     assert dead.body == b"crashy" and counts == [0, 1]
     assert dead.headers["x-first-death-reason"] == "delivery_limit"
     assert await declared.queue.get(fail=False) is None
+
+
+# -- requeuer -----------------------------------------------------------------------------
+
+
+async def test_requeuer_copies_the_message_with_its_properties_and_merged_headers(
+    amqp_connection, rabbit_topology
+):
+    declared = await declare(await amqp_connection.channel(), rabbit_topology)
+    original = aio_pika.Message(
+        b"body",
+        headers={"kept": "yes", "n": 1},
+        content_type="application/msgpack",
+        correlation_id="c9",
+        reply_to="replies.x",
+        message_id="m9",
+        priority=3,
+        app_id="svc-a",
+        type="request",
+        expiration=60,
+    )
+    await declared.exchange.publish(original, routing_key=rabbit_topology.queue)
+    first = await _poll(lambda: declared.queue.get(fail=False))
+    await first.nack(requeue=True)  # the broker's own count: 1 on the next delivery
+    delivered = await _poll(lambda: declared.queue.get(fail=False))
+    assert delivered.headers["x-delivery-count"] == 1
+
+    requeuer = Requeuer(await amqp_connection.channel(), rabbit_topology.queue)
+    await requeuer.republish(delivered, {"n": 2, "added": "z"})
+    await delivered.ack()
+    copy = await _poll(lambda: declared.queue.get(fail=False, no_ack=True))
+    assert copy.body == b"body"
+    # A new message: the broker counts its deliveries from zero again.
+    assert copy.headers == {"kept": "yes", "n": 2, "added": "z", "x-delivery-count": 0}
+    assert (copy.correlation_id, copy.reply_to, copy.message_id) == ("c9", "replies.x", "m9")
+    assert (copy.priority, copy.app_id, copy.type) == (3, "svc-a", "request")
+    assert copy.content_type == "application/msgpack"
+    assert copy.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+    assert copy.expiration is not None and copy.expiration > 0
+    assert await declared.queue.get(fail=False) is None  # one copy, the original acked
 
 
 # -- reply publisher -----------------------------------------------------------------------
