@@ -237,9 +237,6 @@ class Service:
         serving = self.serving
         if serving is not None:
             serving.intake.capacity_changed()
-            if serving.lanes is not None:
-                serving.lanes.served(stats.client_tokens)
-                serving.lanes.engine_step(stats.client_waiting)
         if self.metrics is not None:
             self.metrics.on_step(stats)
 

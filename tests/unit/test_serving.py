@@ -21,7 +21,7 @@ from worker.records import Origin, error_record
 from worker.serving.drain import DrainState, GiveBack
 from worker.serving.intake import FlowControl, QueueIntake
 from worker.serving.isolation import Isolation
-from worker.serving.lanes import Lanes, metric_label
+from worker.serving.lanes import metric_label
 from worker.serving.replies import Address, Replier, error_body
 from worker.serving.settlement import Return, Settlement
 
@@ -474,51 +474,7 @@ async def test_isolation_runs_a_suspect_alone_and_is_not_starved() -> None:
 # -- fair mode's lanes ---------------------------------------------------------------------
 
 
-def test_lanes_take_from_the_client_holding_least_for_its_weight() -> None:
-    lanes = Lanes("q", {"a": 1.0, "b": 3.0}, max_queued_tokens=100)
-    assert set(lanes.queues) == {"q.client.a", "q.client.b", "q.client.other"}
-    assert lanes.lane_of("stranger").client == "other"
-    lanes.lookahead = 10
-    take = {c: lanes.lane_of(c) for c in ("a", "b", "other")}
-    for _ in range(3):
-        lanes.take(take["b"])
-    lanes.take(take["a"])
-    lanes.take(take["other"])
-    lanes.take(take["other"])
-    # held / weight: a 1, b 1, other 2: a and b tie, before other
-    assert lanes.next_lane(now=0.0).client in {"a", "b"}  # type: ignore[union-attr]
-    lanes.take(take["a"])
-    assert lanes.next_lane(now=0.0).client == "b"  # type: ignore[union-attr]
-    lanes.queue_tokens("b", 150)  # over its queued-token limit: not taken from
-    lanes.take(take["a"])  # a: 3 held, other: 2
-    assert lanes.next_lane(now=0.0).client == "other"  # type: ignore[union-attr]
-
-
-def test_a_lane_with_its_look_ahead_waiting_is_not_taken_from() -> None:
-    lanes = Lanes("q", {"a": 1.0}, lookahead=2)
-    a = lanes.lane_of("a")
-    first, second = lanes.take(a), lanes.take(a)  # on their way: counted at once
-    assert lanes.next_lane(now=0.0).client == "other"  # type: ignore[union-attr]
-    first.admitted()
-    lanes.engine_step({"a": 1})  # one waits in the engine
-    assert lanes.waiting("a") == 2
-    lanes.engine_step({})  # it started
-    assert lanes.next_lane(now=0.0) is a or lanes.waiting("a") < 2
-    second.settled()  # ended without being admitted: counted down once
-    second.settled()
-    assert lanes.waiting("a") == 0 and lanes.held["a"] == 1
-
-
-def test_an_empty_lane_is_looked_at_again_after_a_growing_pause_or_when_told() -> None:
-    lanes = Lanes("q", {"a": 1.0}, poll_max_s=0.05)
-    a = lanes.lane_of("a")
-    lanes.found_empty(a, now=10.0)
-    first = a.empty_until - 10.0
-    lanes.found_empty(a, now=10.0)
-    assert a.empty_until - 10.0 == pytest.approx(2 * first)
-    assert lanes.next_lane(now=10.0).client == "other"  # type: ignore[union-attr]
-    lanes.has_messages("a")
-    assert a.empty_until == 0.0
+# (the credit policy and the lane intake: tests/unit/test_lane_intake.py)
 
 
 def test_metric_labels_stay_few() -> None:

@@ -77,6 +77,7 @@ class Intake(abc.ABC):
         self._held: set[asyncio.Task[None]] = set()
         self._capacity_changed = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._burst_pause = 0.002
 
     @property
     def held(self) -> int:
@@ -124,6 +125,15 @@ class Intake(abc.ABC):
             waits.append(self.drain.wait_resumed())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(_first(*waits), timeout_s)
+
+    async def _nothing_left(self, is_empty: Callable[[], Awaitable[bool]]) -> bool:
+        """Burst mode with nothing held: True once `is_empty()` finds nothing left to
+        take; else False after a pause that grows up to `poll_max_s`."""
+        if await is_empty():
+            return True
+        await asyncio.sleep(self._burst_pause)
+        self._burst_pause = min(self._burst_pause * 2, self.poll_max_s)
+        return False
 
     async def wait_settled(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for every held message to be settled; returns how many
@@ -174,7 +184,6 @@ class QueueIntake(Intake):
         """Consume while resumed and the engine has room, until stopped; returns early
         in burst mode once the queue is empty and nothing is held."""
         tag: str | None = None
-        pause = 0.002
         try:
             while not self._stopping.is_set():
                 want = not self.drain.paused and self.flow.has_room(self.engine.capacity())
@@ -190,11 +199,9 @@ class QueueIntake(Intake):
                     await asyncio.sleep(0.5)
                     continue
                 if self.burst and tag is not None and not self._held:
-                    if await self._queue_is_empty():
+                    if await self._nothing_left(self._queue_is_empty):
                         log.info("queue empty and nothing in flight: burst mode ends")
                         return
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, self.poll_max_s)
                     continue
                 await self._wait_for_change()
         finally:

@@ -1,20 +1,32 @@
-"""Fair mode's intake: takes from the clients' lanes in fair order, only what it can place.
+"""Fair mode's intake: consumes the clients' lanes, each with as many credits as it is given.
 
-A message at a time per puller (basic.get; several pullers, each on its own channel,
-keep gets in flight) from the lane `Lanes.next_lane` names: the client that received the
-least service for its weight, among lanes not found empty lately and not over their
-queued-token limit. So when client B's first request reaches its lane,
-it is taken at the next free place, however long client A's backlog; the engine's fair
-policy then shares the batch between what is here by service received.
+A credit is a consumer on a lane with a window of one message (the channel's per-consumer
+prefetch is 1): the broker pushes it a message, and the next only once that one is
+acked. So a lane with k credits has at most k of its messages in this worker (waiting,
+running or being settled), and the credits of all lanes, plus the messages of credits
+being given back, never exceed the worker's window (`FlowControl.max_held`): the worker
+holds what it can place, as with one queue, yet no message needs a round trip of its
+own. How many credits each lane gets is `Lanes.share`'s decision (the policy); this
+module only adds consumers to a lane and cancels them (the mechanism), at step
+boundaries and deliveries. A cancelled credit that holds a message keeps it until it is
+settled; its place in the window is given to another lane only then. Without KV room
+for the waiting prompts no lane gains credits (messages come only in place of requests
+that left); a drain cancels every credit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from worker.serving.intake import Intake
 from worker.serving.lanes import Lane, Lanes
@@ -22,70 +34,140 @@ from worker.serving.lanes import Lane, Lanes
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)  # each credit is itself (hashed by identity)
+class Credit:
+    """One consumer of a lane, window of one message."""
+
+    tag: str
+    lane: Lane
+    held: int = 0  # its messages not yet settled (one; two across a reconnect)
+    cancelled: bool = False
+
+
 class LaneIntake(Intake):
-    """Takes from the lanes of `lanes` in fair order: `pullers` gets in flight at once,
-    each on a channel of its own (a channel runs one RPC at a time)."""
+    """Consumes the lanes of `lanes` on `channel` (opened with per-consumer prefetch 1),
+    with the credits `lanes.share` gives each."""
 
     def __init__(
         self,
-        channels: list[AbstractChannel],
+        channel: AbstractChannel,
         lanes: Lanes,
         *args: Any,
+        clock: Callable[[], float] = time.monotonic,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.channels = channels
+        self.channel = channel
         self.lanes = lanes
-        self._in_flight = 0
-        self._queues: dict[tuple[int, str], AbstractQueue] = {}
+        self.clock = clock
+        self._queues: dict[str, AbstractQueue] = {}
+        self._active: dict[str, list[Credit]] = {c: [] for c in lanes.lanes}
+        self._leaving: set[Credit] = set()  # cancelled, still holding a message
+        self._tags = (f"kvflow.{uuid.uuid4().hex[:8]}.{n}" for n in itertools.count())
+
+    def credits(self) -> dict[str, int]:
+        """Credits per lane now (cancelled ones not counted)."""
+        return {c: len(credits) for c, credits in self._active.items()}
 
     async def run(self) -> None:
-        pullers = [asyncio.create_task(self._pull(i)) for i in range(len(self.channels))]
         try:
-            done, _ = await asyncio.wait(pullers, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # a puller's failure ends the intake (the service stops)
-        finally:
-            self.stop()
-            await asyncio.gather(*pullers, return_exceptions=True)
-
-    async def _pull(self, index: int) -> None:
-        while not self._stopping.is_set():
-            taking = self.held + self._in_flight
-            room = taking < self.flow.max_held and self.flow.has_room(self.engine.capacity())
-            if self.drain.paused or not room:
-                await self._wait_for_change()
-                continue
-            lane = self.lanes.next_lane()
-            if lane is None:
-                if self.burst and not self._held and not self._in_flight and self.lanes.all_empty:
-                    log.info("every lane empty and nothing in flight: burst mode ends")
-                    return
-                await self._wait_for_change(self.lanes.poll_max_s)
-                continue
-            self._in_flight += 1
-            ticket = self.lanes.take(lane)  # counted before the get: pullers see it
-            try:
-                message = await (await self._queue(index, lane)).get(
-                    no_ack=False, fail=False, timeout=10
+            for lane in self.lanes.lanes.values():
+                # Declared (passively), not merely named: a robust channel restores the
+                # consumers of the queues it declared after a reconnect, and only those.
+                self._queues[lane.client] = await self.channel.declare_queue(
+                    lane.queue, passive=True
                 )
-            except Exception as e:  # a closed channel: the robust connection reopens it
-                ticket.settled()
-                log.warning("pull from %s failed (%r); retrying", lane.queue, e)
-                await asyncio.sleep(0.5)
-                continue
-            finally:
-                self._in_flight -= 1
-            if message is None:
-                ticket.settled()
-                self.lanes.found_empty(lane)
-                continue
-            await self._delivered(message, ticket.settled, ticket.admitted)
+            while not self._stopping.is_set():
+                try:
+                    await self._reconcile()
+                except Exception as e:  # a closed channel: the robust connection reopens
+                    # it (and its consumers); the intake must outlive it
+                    log.warning("consume or cancel on a lane failed (%r); retrying", e)
+                    await asyncio.sleep(0.5)
+                    continue
+                if self.burst and not self._held:
+                    if await self._nothing_left(self._lanes_are_empty):
+                        log.info("every lane empty and nothing in flight: burst mode ends")
+                        return
+                    continue
+                await self._wait_for_change()
+        finally:
+            for credits in self._active.values():
+                for credit in list(credits):
+                    with contextlib.suppress(Exception):
+                        await self._cancel(credit)
 
-    async def _queue(self, index: int, lane: Lane) -> AbstractQueue:
-        key = (index, lane.queue)
-        queue = self._queues.get(key)
-        if queue is None:
-            channel = self.channels[index]
-            queue = self._queues[key] = await channel.get_queue(lane.queue, ensure=False)
-        return queue
+    def targets(self) -> dict[str, int]:
+        """Credits each lane should have now (the policy's answer, within the window)."""
+        have = self.credits()
+        if self.drain.paused or self._stopping.is_set():
+            return {c: 0 for c in have}
+        used = {c: sum(1 for k in credits if k.held) for c, credits in self._active.items()}
+        window = self.flow.max_held - sum(k.held for k in self._leaving)
+        want = self.lanes.share(max(window, 0), have, used, self.clock())
+        if not self.flow.has_room(self.engine.capacity()):
+            want = {c: min(n, have[c]) for c, n in want.items()}  # no lane gains
+        return want
+
+    async def _reconcile(self) -> None:
+        """Cancel credits of lanes over their target (idle ones first), then add credits
+        to lanes under it, as far as the window allows."""
+        want = self.targets()
+        for client, credits in self._active.items():
+            extra = len(credits) - want[client]
+            if extra > 0:
+                idle_first = sorted(credits, key=lambda k: k.held)[:extra]
+                for credit in idle_first:
+                    await self._cancel(credit)
+        for client, credits in self._active.items():
+            while len(credits) < want[client] and self._room_for_credit():
+                await self._add(self.lanes.lanes[client])
+
+    def _room_for_credit(self) -> bool:
+        active = sum(len(credits) for credits in self._active.values())
+        return active + sum(k.held for k in self._leaving) < self.flow.max_held
+
+    async def _add(self, lane: Lane) -> None:
+        credit = Credit(next(self._tags), lane)
+        self._active[lane.client].append(credit)  # before the first delivery can come
+        try:
+            await self._queues[lane.client].consume(
+                lambda m: self._on_message(credit, m), no_ack=False, consumer_tag=credit.tag
+            )
+        except BaseException:
+            self._active[lane.client].remove(credit)
+            raise
+
+    async def _cancel(self, credit: Credit) -> None:
+        await self._queues[credit.lane.client].cancel(credit.tag)
+        self._active[credit.lane.client].remove(credit)
+        credit.cancelled = True
+        if credit.held:
+            self._leaving.add(credit)
+
+    async def _on_message(self, credit: Credit, message: AbstractIncomingMessage) -> None:
+        credit.held += 1
+        if credit.cancelled:
+            self._leaving.add(credit)  # delivered as it was being cancelled
+
+        def settled() -> None:
+            credit.held -= 1
+            if credit.held == 0:
+                self._leaving.discard(credit)
+
+        await self._delivered(message, settled)
+        self._capacity_changed.set()  # a lane whose credits are all in use may get more
+
+    async def _lanes_are_empty(self) -> bool:
+        """Burst mode: nothing left in any lane (a basic.get each; what one finds is
+        held, outside the credits)."""
+        for queue in self._queues.values():
+            try:
+                message = await queue.get(no_ack=False, fail=False, timeout=10)
+            except Exception as e:
+                log.warning("look into a lane failed (%r); retrying", e)
+                return False
+            if message is not None:
+                await self._delivered(message)
+                return False
+        return True

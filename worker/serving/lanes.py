@@ -1,28 +1,30 @@
-"""Fair mode's lanes: one queue per client, and which lane a worker takes from next.
+"""Fair mode's lanes: one queue per client, and how much of the worker's window each gets.
 
 Producers publish exactly as contract v1 says, to the one request queue. RabbitMQ cannot
 route by client (the routing key is the queue's name; the client is in the body or the
-AMQP app_id), and a worker that pulls only what it can place cannot see client B's
+AMQP app_id), and a worker that takes only what it can place cannot see client B's
 request behind client A's backlog in one FIFO queue. So in fair mode each worker's
 router (`worker.serving.router`) moves every message from the request queue into its
 client's lane, `<queue>.client.<name>` (a quorum queue like the request queue), with a
-confirmed publish before the original is acked; and the intake takes from the lanes in
-fair order. A backlog waits in its lane, in RabbitMQ, never unacked in a worker.
+confirmed publish before the original is acked; and the intake consumes the lanes. A
+backlog waits in its lane, in RabbitMQ, never unacked in a worker.
 
 The lanes are the configured clients (`--client-weights`) plus `other`, which the
-unlisted clients share. The intake keeps up to `lookahead` requests of every client
-with work waiting in the engine (so the engine's fair policy chooses between clients at
-every free slot, not between whatever one client's burst brought), taking first from
-the lane whose client received the least service for its weight (the engine's Virtual
-Token Counter rule, fed with the tokens each step computes).
-`Lanes` also keeps, per client, what this worker holds and the prompt tokens waiting in
-it (admission control: a client over its queued-token limit is not taken from until
-they shrink).
+unlisted clients share. The worker's window (the messages it may hold unsettled) is
+shared between the lanes in credits, one message each (`Lanes.share`, the policy; the
+intake, `worker.serving.lane_intake`, is the mechanism): every lane keeps at least one,
+so a newcomer's first request is delivered at once; a lane that uses all of its credits
+asks for twice as many; one with credits to spare gives them back once they have gone
+unused for a while; no lane has more than a one-queue worker's window (`max_num_seqs +
+lookahead`), and the whole window is split by weight, max-min fair. Inside the worker the
+engine's fair policy then chooses between what the clients have waiting, by service
+received. `Lanes` also keeps the prompt tokens waiting in the worker per client
+(admission control: a client over its queued-token limit gets no credits until they
+shrink).
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from broker.messages import DEFAULT_CLIENT
 
 OTHER = "other"  # the lane (and metric label) of every client not configured by name
+RECLAIM_S = 1.0  # a lane's spare credits go back to the window after this long unused
 
 
 @dataclass
@@ -37,12 +40,11 @@ class Lane:
     client: str
     queue: str
     weight: float
-    empty_until: float = 0.0  # believed empty until then (monotonic seconds)
-    empty_backoff: float = 0.0
+    spare_since: float | None = None  # since when some of its credits have gone unused
 
 
 class Lanes:
-    """The lanes of one request queue, and this worker's holdings per client."""
+    """The lanes of one request queue, and the policy that shares the window among them."""
 
     def __init__(
         self,
@@ -50,25 +52,16 @@ class Lanes:
         weights: Mapping[str, float],
         *,
         max_queued_tokens: int | None = None,
-        lookahead: int = 2,
-        poll_max_s: float = 0.05,
+        lane_window: int | None = None,
+        reclaim_s: float = RECLAIM_S,
     ) -> None:
         self.queue = queue
         self.max_queued_tokens = max_queued_tokens
-        self.lookahead = lookahead
-        self.poll_max_s = poll_max_s
+        self.lane_window = lane_window  # most credits of one lane
+        self.reclaim_s = reclaim_s
         names = [*weights, OTHER] if OTHER not in weights else list(weights)
         self.lanes = {c: Lane(c, lane_queue(queue, c), weights.get(c, 1.0)) for c in names}
-        self.held: dict[str, int] = defaultdict(int)
         self.queued_tokens: dict[str, int] = defaultdict(int)
-        # Per lane: taken (or being taken) and not yet in the engine, and waiting in the
-        # engine's queue as of its last step: what "waits here to start".
-        self.on_the_way: dict[str, int] = defaultdict(int)
-        self.engine_waiting: dict[str, int] = {}
-        # Service received per lane, over its weight (the engine's Virtual Token Counter
-        # rule, from the tokens each step computed): the intake takes from the lane that
-        # received least, as the engine admits the client that received least.
-        self.counters: dict[str, float] = defaultdict(float)
 
     def lane_of(self, client: str) -> Lane:
         """The lane a client's requests go to (unlisted clients share `other`)."""
@@ -78,104 +71,84 @@ class Lanes:
     def queues(self) -> Iterable[str]:
         return (lane.queue for lane in self.lanes.values())
 
-    # -- the intake's choice ------------------------------------------------------------------
+    def share(
+        self,
+        total: int,
+        credits: Mapping[str, int],
+        used: Mapping[str, int],
+        now: float,
+    ) -> dict[str, int]:
+        """Credits per lane (client -> count), `total` at most, from each lane's
+        `credits` now and how many of them hold a message (`used`).
 
-    def next_lane(self, now: float | None = None) -> Lane | None:
-        """The lane to take from next: among lanes not believed empty, with fewer than
-        `lookahead` requests waiting here to start, and not over their queued-token
-        limit, the one whose client received the least service for its weight (then:
-        holds the least here for its weight)."""
-        now = time.monotonic() if now is None else now
-        best: tuple[float, float] | None = None
-        chosen = None
-        for lane in self.lanes.values():
-            if lane.empty_until > now:
-                continue
-            if self.waiting(lane.client) >= self.lookahead:
-                continue  # enough of it waits here already: the engine chooses among them
+        What a lane asks for: none while over its queued-token limit; twice its credits
+        when all are in use, up to `lane_window` (a backlog is reached in a few steps, a
+        trickle does not grab the window, and one client alone leaves the other lanes
+        their look-ahead: a newcomer gets it at once, not only as the backlog's requests
+        end); what it has while some go unused, until they have gone unused
+        for `reclaim_s`, then what it uses. Each lane not over its limit gets one credit
+        first; the rest of `total` goes by weight, max-min fair (no lane more than it
+        asks; what one does not ask for goes to the others in proportion to weight)."""
+        demand: dict[str, int] = {}
+        for client, lane in self.lanes.items():
+            have, busy = credits.get(client, 0), used.get(client, 0)
             limit = self.max_queued_tokens
-            if limit is not None and self.queued_tokens[lane.client] >= limit:
-                continue
-            key = (self.counters[lane.client], self.held[lane.client] / lane.weight)
-            if best is None or key < best:
-                best, chosen = key, lane
-        return chosen
-
-    def served(self, client_tokens: Mapping[str, tuple[int, int]]) -> None:
-        """Charge one engine step's tokens (prompt, generated) per client: prompt tokens
-        weigh 1, generated 2, over the lane's weight."""
-        for client, (prompt, generated) in client_tokens.items():
-            lane = self.lane_of(client)
-            self.counters[lane.client] += (prompt + 2 * generated) / lane.weight
-
-    def found_empty(self, lane: Lane, now: float | None = None) -> None:
-        """A get found the lane empty: look again after a growing pause."""
-        now = time.monotonic() if now is None else now
-        lane.empty_backoff = min(max(lane.empty_backoff * 2, 0.002), self.poll_max_s)
-        lane.empty_until = now + lane.empty_backoff
-
-    def has_messages(self, client: str) -> None:
-        """Something was just routed into this client's lane: look at once."""
-        lane = self.lane_of(client)
-        lane.empty_until = 0.0
-        lane.empty_backoff = 0.0
-
-    @property
-    def all_empty(self) -> bool:
-        now = time.monotonic()
-        return all(lane.empty_until > now for lane in self.lanes.values())
-
-    # -- holdings ------------------------------------------------------------------------------
-
-    def take(self, lane: Lane) -> Ticket:
-        """A message is being taken from `lane`: counted at once (other pullers see it)."""
-        client = lane.client
-        if not self.held[client]:
-            # It had nothing here: no credit for the time it had nothing (as the engine's
-            # policy, its counter starts from the lowest of those that have work here).
-            busy = [self.counters[c] for c, n in self.held.items() if n and c != client]
-            if busy:
-                self.counters[client] = max(self.counters[client], min(busy))
-        self.held[client] += 1
-        self.on_the_way[client] += 1
-        return Ticket(self, client)
-
-    def waiting(self, client: str) -> int:
-        """Requests of `client`'s lane waiting here to start."""
-        return self.on_the_way[client] + self.engine_waiting.get(client, 0)
-
-    def engine_step(self, client_waiting: Mapping[str, int]) -> None:
-        """The engine's waiting requests per client after its last step."""
-        waiting: dict[str, int] = defaultdict(int)
-        for client, n in client_waiting.items():
-            waiting[self.lane_of(client).client] += n
-        self.engine_waiting = waiting
+            if limit is not None and self.queued_tokens[client] >= limit:
+                demand[client] = 0
+                lane.spare_since = None
+            elif busy >= have:
+                demand[client] = max(2 * have, 1)
+                if self.lane_window is not None:
+                    demand[client] = min(demand[client], self.lane_window)
+                lane.spare_since = None
+            elif lane.spare_since is None:
+                demand[client] = have
+                lane.spare_since = now
+            elif now - lane.spare_since >= self.reclaim_s:
+                demand[client] = max(busy, 1)
+                lane.spare_since = now  # the next reclaim waits as long again
+            else:
+                demand[client] = have
+        weights = {c: lane.weight for c, lane in self.lanes.items()}
+        return water_fill(total, demand, weights)
 
     def queue_tokens(self, client: str, tokens: int) -> None:
         """`tokens` prompt tokens of `client` wait here (negative: they left)."""
         self.queued_tokens[self.lane_of(client).client] += tokens
 
 
-class Ticket:
-    """One message taken from a lane: on its way to the engine until admitted, held
-    until settled (each counted down once)."""
-
-    __slots__ = ("_admitted", "_settled", "client", "lanes")
-
-    def __init__(self, lanes: Lanes, client: str) -> None:
-        self.lanes, self.client = lanes, client
-        self._admitted = self._settled = False
-
-    def admitted(self) -> None:
-        if not self._admitted:
-            self._admitted = True
-            self.lanes.on_the_way[self.client] -= 1
-
-    def settled(self) -> None:
-        self.admitted()
-        if not self._settled:
-            self._settled = True
-            self.lanes.held[self.client] -= 1
+def water_fill(
+    total: int, demand: Mapping[str, int], weights: Mapping[str, float]
+) -> dict[str, int]:
+    """Share `total` units: one to each client that asks for any (in order, while they
+    last), the rest by weight, max-min fair, no client beyond its demand."""
+    give = {c: 0 for c in demand}
+    left = total
+    for c, d in demand.items():
+        if d > 0 and left > 0:
+            give[c], left = 1, left - 1
+    wanting = {c for c, d in demand.items() if d > give[c]}
+    while left > 0 and wanting:
+        weight = sum(weights[c] for c in wanting)
+        quota = {c: left * weights[c] / weight for c in wanting}
+        sated = {c for c in wanting if demand[c] - give[c] <= quota[c]}
+        if sated:
+            for c in sated:
+                left -= demand[c] - give[c]
+                give[c] = demand[c]
+            wanting -= sated
+            continue
+        # Every client still wants more than its quota: whole units by quota, then the
+        # remaining few to the largest fractions (ties by name: the same every time).
+        for c in wanting:
+            whole = int(quota[c])
+            give[c] += whole
+            left -= whole
+        by_fraction = sorted(wanting, key=lambda c: (int(quota[c]) - quota[c], c))
+        for c in by_fraction[:left]:
+            give[c] += 1
+        left = 0
+    return give
 
 
 def lane_queue(queue: str, client: str) -> str:

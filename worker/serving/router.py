@@ -5,8 +5,8 @@ requests), reads the client of each message (the body's `client`, else the AMQP 
 else "default"), publishes a copy to the client's lane with a publisher confirm, and
 only then acks the original: nothing is lost, and a copy doubled by a crash between the
 two is answered once by the ledger. It never holds more than its prefetch window, so a
-backlog waits in the lanes, in RabbitMQ. The worker's own intake is told at once that a
-lane has work (`Lanes.has_messages`); other workers find it when they look again.
+backlog waits in the lanes, in RabbitMQ, whose consumers (every worker's credits) have
+it pushed to them.
 
 After RabbitMQ comes back, the robust connection restores its channels one by one: the
 router's consumer may be delivering again before the channel it publishes on is back.
@@ -96,7 +96,6 @@ class Router:
         await self.acker.ack(message)
         self.routed += 1
         self.metrics.on_message(MessageEvent.ROUTED)
-        self.lanes.has_messages(lane.client)
 
     async def _publish_channel_ready(self) -> None:
         """Wait (bounded) until the publishing channel is open again after a reconnect."""

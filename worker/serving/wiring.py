@@ -30,7 +30,6 @@ from worker.serving.router import Router
 from worker.serving.settlement import Settlement
 
 ROUTER_WINDOW = 64  # messages a worker's router holds at once (fair mode)
-PULLERS = 4  # gets in flight at once from the lanes (fair mode)
 
 
 @dataclass(frozen=True)
@@ -109,16 +108,18 @@ async def wire(w: Wiring) -> Serving:
         flow = FlowControl(window, cfg.reserve_blocks)
         parts = (engine, flow, w.drain, settlement, w.metrics, delivery.handle)
         return Serving(replier, settlement, delivery, QueueIntake(queue, *parts, **timing), acker)
-    # Fair mode: a look-ahead per lane (worker/serving/lanes.py).
-    flow = FlowControl(max_seqs + lanes.lookahead * len(lanes.lanes), cfg.reserve_blocks)
+    # Fair mode: the window has a look-ahead per lane, shared out in credits
+    # (worker/serving/lanes.py).
+    flow = FlowControl(max_seqs + cfg.lookahead * len(lanes.lanes), cfg.reserve_blocks)
     parts = (engine, flow, w.drain, settlement, w.metrics, delivery.handle)
     route = await w.connection.channel(publisher_confirms=False)
     await route.set_qos(prefetch_count=ROUTER_WINDOW)
     source = await route.declare_queue(w.queue, passive=True)  # restored after a reconnect
     router = Router(source, w.publish, w.topology, lanes, w.metrics)
     await router.start()
-    pull = [await w.connection.channel(publisher_confirms=False) for _ in range(PULLERS)]
-    intake = LaneIntake(pull, lanes, *parts, **timing)
+    lane_channel = await w.connection.channel(publisher_confirms=False)
+    await lane_channel.set_qos(prefetch_count=1)  # per consumer: one credit, one message
+    intake = LaneIntake(lane_channel, lanes, *parts, poll_max_s=cfg.poll_max_s, burst=cfg.burst)
     return Serving(replier, settlement, delivery, intake, acker, lanes, router)
 
 
@@ -130,7 +131,5 @@ def _lanes(w: Wiring) -> Lanes | None:
         w.config.queue,
         dict(w.engine_config.client_weights),
         max_queued_tokens=w.config.client_max_queued_tokens,
-        # per lane: the look-ahead, plus the gets that may be on their way
-        lookahead=w.config.lookahead + PULLERS,
-        poll_max_s=w.config.poll_max_s,
+        lane_window=w.engine_config.max_num_seqs + w.config.lookahead,
     )
