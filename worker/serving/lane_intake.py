@@ -135,7 +135,10 @@ class LaneIntake(Intake):
                 lambda m: self._on_message(credit, m), no_ack=False, consumer_tag=credit.tag
             )
         except BaseException:
+            # Not confirmed: if the broker did register it, what it delivers counts as
+            # a leaving credit's (and the consumer goes with its channel).
             self._active[lane.client].remove(credit)
+            credit.cancelled = True
             raise
 
     async def _cancel(self, credit: Credit) -> None:

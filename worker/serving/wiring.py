@@ -29,7 +29,7 @@ from worker.serving.replies import Replier
 from worker.serving.router import Router
 from worker.serving.settlement import Settlement
 
-ROUTER_WINDOW = 64  # messages a worker's router holds at once (fair mode)
+ROUTER_WINDOW = 256  # messages a worker's router moves at once (fair mode; 64 ran ~10% slower)
 
 
 @dataclass(frozen=True)
