@@ -67,6 +67,7 @@ METRIC_NAMES = (
     "kvflow_client_queue_time_seconds",
     "kvflow_client_time_to_first_token_seconds",
     "kvflow_client_queued_tokens",
+    "kvflow_lane_credits",
 )
 
 
@@ -219,6 +220,11 @@ class Metrics:
             "Prompt tokens of a client waiting in this worker (fair mode's admission control).",
             ("client",),
         )
+        self._lane_credits = gauge(
+            "kvflow_lane_credits",
+            "Fair mode: a client lane's credits (messages it may have in this worker).",
+            ("client",),
+        )
         # Every label value exists from the start (at zero), so a rate over the first
         # minutes of a worker counts its first requests.
         for client in {*self.clients, DEFAULT_CLIENT, OTHER}:
@@ -228,6 +234,8 @@ class Metrics:
             self._client_queue.labels(**label)
             self._client_ttft.labels(**label)
             self._client_queued_tokens.labels(**label)
+        for client in {*self.clients, OTHER}:  # the lanes (fair mode)
+            self._lane_credits.labels(**lv, client=client)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
 
     # -- updates -------------------------------------------------------------------------
@@ -277,6 +285,10 @@ class Metrics:
         self._client_queued_tokens.labels(**self.labels, client=self.client_label(client)).set(
             tokens
         )
+
+    def set_lane_credits(self, client: str, credits: int) -> None:
+        """Fair mode: `client`'s lane (a configured client or `other`) has `credits`."""
+        self._child(self._lane_credits, client=client).set(credits)
 
     def on_finished(
         self, out: RequestOutput, timing: Mapping[str, Any], client: str | None = None

@@ -49,10 +49,13 @@ def test_spare_credits_are_given_back_after_going_unused_for_a_while() -> None:
     lanes = Lanes("q", {"a": 1.0}, reclaim_s=1.0)
     have = {"a": 8, "other": 1}
     assert lanes.share(20, have, {"a": 3}, now=10.0)["a"] == 8  # kept: unused since now
-    assert lanes.share(20, have, {"a": 3}, now=10.9)["a"] == 8
-    assert lanes.share(20, have, {"a": 3}, now=11.0)["a"] == 3  # unused for 1 s: given back
-    assert lanes.share(20, {"a": 3, "other": 1}, {"a": 2}, now=11.5)["a"] == 3  # waits again
-    assert lanes.share(20, {"a": 3, "other": 1}, {}, now=12.0)["a"] == 1  # one stays
+    assert lanes.share(20, have, {"a": 5}, now=10.4)["a"] == 8
+    assert lanes.share(20, have, {"a": 2}, now=10.9)["a"] == 8
+    # 1 s with some unused: back to the most it used at once meanwhile, not the last count
+    assert lanes.share(20, have, {"a": 2}, now=11.0)["a"] == 5
+    assert lanes.share(20, {"a": 5, "other": 1}, {"a": 2}, now=11.5)["a"] == 5  # waits again
+    assert lanes.share(20, {"a": 5, "other": 1}, {}, now=12.0)["a"] == 2
+    assert lanes.share(20, {"a": 2, "other": 1}, {}, now=13.0)["a"] == 1  # one stays
 
 
 def test_a_client_over_its_queued_token_limit_gets_no_credits() -> None:
@@ -141,6 +144,36 @@ class FakeLane:
         self.broker.unsettled -= 1
 
 
+def lane_intake(
+    broker: Broker,
+    lanes: Lanes,
+    max_held: int,
+    deliver: Any,
+    *,
+    engine: FakeEngine | None = None,
+    metrics: Metrics | None = None,
+    burst: bool = False,
+) -> tuple[LaneIntake, DrainState]:
+    """A lane intake on `broker`, serving (its drain state resumed); spare credits are
+    never given back (its clock stands still)."""
+    drain = DrainState()
+    drain.resume()
+    intake = LaneIntake(
+        broker,  # type: ignore[arg-type]
+        lanes,
+        engine or FakeEngine(),
+        FlowControl(max_held=max_held, reserve_blocks=1),
+        drain,
+        settlement(broker.events),
+        metrics or Metrics("w", "m"),
+        deliver,
+        poll_max_s=0.01,
+        burst=burst,
+        clock=lambda: 0.0,
+    )
+    return intake, drain
+
+
 async def settle_down(turns: int = 50) -> None:
     for _ in range(turns):
         await asyncio.sleep(0)
@@ -164,22 +197,9 @@ async def test_credits_bound_what_is_held_and_a_newcomer_gets_its_share() -> Non
         del running[:n]
         await settle_down()
 
-    drain = DrainState()
-    drain.resume()
-    flow = FlowControl(max_held=12, reserve_blocks=1)
     engine = FakeEngine()
-    intake = LaneIntake(
-        broker,  # type: ignore[arg-type]
-        lanes,
-        engine,
-        flow,
-        drain,
-        settlement(events),
-        Metrics("w", "m"),
-        deliver,
-        poll_max_s=0.01,
-        clock=lambda: 0.0,  # spare credits are never given back here
-    )
+    metrics = Metrics("w", "m")
+    intake, drain = lane_intake(broker, lanes, 12, deliver, engine=engine, metrics=metrics)
     a = await broker.declare_queue("q.client.a", passive=True)
     b = await broker.declare_queue("q.client.b", passive=True)
     a.publish(60)
@@ -197,13 +217,26 @@ async def test_credits_bound_what_is_held_and_a_newcomer_gets_its_share() -> Non
     await settle_down()
     assert intake.credits()["b"] == 1 and intake.held == 10
     engine.cap = cap()
+    for _ in range(5):  # nothing ends: b's growth waits for a's given-up credits
+        intake.capacity_changed()
+        await settle_down()
+    # b asked for 4, a gave up 2 busy credits (their places come free as they end), no more
+    assert intake.credits() == {"a": 7, "b": 2, "other": 1}, intake.credits()
+    assert intake.held == 11
     for _ in range(30):  # requests end, in order; b's share grows as a's shrinks
         await finish(2)
         intake.capacity_changed()
         await settle_down()
     # weights 1:3 over the 11 credits not kept by `other`
     assert intake.credits() == {"a": 3, "b": 8, "other": 1}
-    assert broker.most_unsettled <= flow.max_held, broker.most_unsettled
+    shown = {
+        c: metrics.registry.get_sample_value(
+            "kvflow_lane_credits", {"worker": "w", "model": "m", "client": c}
+        )
+        for c in ("a", "b", "other")
+    }
+    assert shown == {"a": 3, "b": 8, "other": 1}
+    assert broker.most_unsettled <= 12, broker.most_unsettled
     assert a.messages, "a still has a backlog"
 
     drain.pause()  # every credit is cancelled; what is held stays until settled
@@ -227,21 +260,47 @@ async def test_burst_mode_ends_once_every_lane_is_empty_and_all_is_settled() -> 
     async def deliver(message: Any, admitted: Any) -> None:
         await message.ack()
 
-    drain = DrainState()
-    drain.resume()
-    intake = LaneIntake(
-        broker,  # type: ignore[arg-type]
-        Lanes("q", {"a": 1.0}),
-        FakeEngine(),
-        FlowControl(max_held=4, reserve_blocks=1),
-        drain,
-        settlement(events),
-        Metrics("w", "m"),
-        deliver,
-        poll_max_s=0.01,
-        burst=True,
-    )
+    intake, _ = lane_intake(broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True)
     (await broker.declare_queue("q.client.a", passive=True)).publish(9)
     await asyncio.wait_for(intake.run(), 10)
     assert sorted(tag for what, tag in events if what == "ack") == list(range(9))
     assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
+
+
+async def test_a_cancel_cut_by_a_closed_channel_leaves_no_dead_credit(caplog: Any) -> None:
+    events: list[Any] = []
+    broker = Broker(events)
+    release = asyncio.Event()
+
+    async def deliver(message: Any, admitted: Any) -> None:
+        await release.wait()
+        await message.ack()
+
+    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), 6, deliver)
+    lane = await broker.declare_queue("q.client.a", passive=True)
+    lane.publish(20)
+    run = asyncio.create_task(intake.run())
+    await settle_down(200)
+    assert intake.credits() == {"a": 5, "other": 1} and intake.held == 5
+
+    async def closed(tag: str) -> None:
+        lane.consumers.pop(tag, None)  # the consumer went with its channel
+        raise ConnectionError("channel closed")
+
+    lane.cancel = closed  # type: ignore[method-assign]
+    drain.pause()
+    intake.capacity_changed()
+    await settle_down()
+    # Every credit is out of the books at once, its message counted until settled.
+    assert intake.credits() == {"a": 0, "other": 0}
+    assert "not cancelled cleanly" in caplog.text
+    release.set()
+    await settle_down()
+    assert intake.held == 0 and len(lane.messages) == 15
+    drain.resume()  # credits come back, none of them dead: the lane is served to the end
+    intake.capacity_changed()
+    await settle_down(400)
+    assert not lane.messages and intake.held == 0
+    assert sorted(tag for what, tag in events if what == "ack") == list(range(20))
+    intake.stop()
+    await asyncio.wait_for(run, 10)

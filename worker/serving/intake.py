@@ -110,9 +110,11 @@ class Intake(abc.ABC):
         # served.
         draining = self.drain.paused or self._stopping.is_set()
         if draining and not self.settlement.last_delivery(delivery_count(message.headers)):
-            await self.settlement.requeue(message, None)
-            if on_settled is not None:
-                on_settled()
+            try:
+                await self.settlement.requeue(message, None)
+            finally:  # a closed channel may cancel this mid-way: still counted as settled
+                if on_settled is not None:
+                    on_settled()
             return
         self.pulled += 1
         self._hold(message, on_settled, on_admitted)

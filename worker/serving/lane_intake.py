@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -63,6 +64,7 @@ class LaneIntake(Intake):
         self._queues: dict[str, AbstractQueue] = {}
         self._active: dict[str, list[Credit]] = {c: [] for c in lanes.lanes}
         self._leaving: set[Credit] = set()  # cancelled, still holding a message
+        self._shown: dict[str, int] = {}  # credits per lane as the metric shows them
         self._tags = (f"kvflow.{uuid.uuid4().hex[:8]}.{n}" for n in itertools.count())
 
     def credits(self) -> dict[str, int]:
@@ -92,10 +94,9 @@ class LaneIntake(Intake):
                     continue
                 await self._wait_for_change()
         finally:
-            for credits in self._active.values():
-                for credit in list(credits):
-                    with contextlib.suppress(Exception):
-                        await self._cancel(credit)
+            with contextlib.suppress(Exception):
+                await self._channel_ready()
+                await self._cancel_all([k for credits in self._active.values() for k in credits])
 
     def targets(self) -> dict[str, int]:
         """Credits each lane should have now (the policy's answer, within the window)."""
@@ -103,8 +104,9 @@ class LaneIntake(Intake):
         if self.drain.paused or self._stopping.is_set():
             return {c: 0 for c in have}
         used = {c: sum(1 for k in credits if k.held) for c, credits in self._active.items()}
-        window = self.flow.max_held - sum(k.held for k in self._leaving)
-        want = self.lanes.share(max(window, 0), have, used, self.clock())
+        # The whole window is shared: a cancelled credit's message is the place of the
+        # credit its lane gave up, counted (by `_room_for_credit`) until it is settled.
+        want = self.lanes.share(self.flow.max_held, have, used, self.clock())
         if not self.flow.has_room(self.engine.capacity()):
             want = {c: min(n, have[c]) for c, n in want.items()}  # no lane gains
         return want
@@ -112,16 +114,21 @@ class LaneIntake(Intake):
     async def _reconcile(self) -> None:
         """Cancel credits of lanes over their target (idle ones first), then add credits
         to lanes under it, as far as the window allows."""
+        await self._channel_ready()
         want = self.targets()
+        over: list[Credit] = []
         for client, credits in self._active.items():
             extra = len(credits) - want[client]
             if extra > 0:
-                idle_first = sorted(credits, key=lambda k: k.held)[:extra]
-                for credit in idle_first:
-                    await self._cancel(credit)
+                over += sorted(credits, key=lambda k: k.held)[:extra]
+        await self._cancel_all(over)
         for client, credits in self._active.items():
             while len(credits) < want[client] and self._room_for_credit():
                 await self._add(self.lanes.lanes[client])
+        for client, n in self.credits().items():
+            if self._shown.get(client) != n:
+                self._shown[client] = n
+                self.metrics.set_lane_credits(client, n)
 
     def _room_for_credit(self) -> bool:
         active = sum(len(credits) for credits in self._active.values())
@@ -132,7 +139,7 @@ class LaneIntake(Intake):
         self._active[lane.client].append(credit)  # before the first delivery can come
         try:
             await self._queues[lane.client].consume(
-                lambda m: self._on_message(credit, m), no_ack=False, consumer_tag=credit.tag
+                functools.partial(self._on_message, credit), no_ack=False, consumer_tag=credit.tag
             )
         except BaseException:
             # Not confirmed: if the broker did register it, what it delivers counts as
@@ -141,12 +148,35 @@ class LaneIntake(Intake):
             credit.cancelled = True
             raise
 
-    async def _cancel(self, credit: Credit) -> None:
-        await self._queues[credit.lane.client].cancel(credit.tag)
-        self._active[credit.lane.client].remove(credit)
-        credit.cancelled = True
-        if credit.held:
-            self._leaving.add(credit)
+    async def _cancel_all(self, credits: list[Credit]) -> None:
+        """Cancel `credits` together (one round trip for all: during a drain, a credit
+        still consuming takes a message only to give it back)."""
+        for credit in credits:
+            # Out of the books first: a cancel cut by a closed channel still ends the
+            # consumer (it goes with the channel; a robust channel does not restore a
+            # consumer it was asked to cancel).
+            self._active[credit.lane.client].remove(credit)
+            credit.cancelled = True
+            if credit.held:
+                self._leaving.add(credit)
+        done = await asyncio.gather(
+            *(self._queues[k.lane.client].cancel(k.tag) for k in credits), return_exceptions=True
+        )
+        failed = [e for e in done if isinstance(e, Exception)]
+        if failed:
+            log.warning(
+                "%d of %d lane credits not cancelled cleanly (%r)",
+                len(failed),
+                len(done),
+                failed[0],
+            )
+
+    async def _channel_ready(self) -> None:
+        """After a reconnect, wait until the robust channel has restored its consumers:
+        a cancel sent before that would be undone by the restore."""
+        ready = getattr(self.channel, "ready", None)  # robust channels only
+        if ready is not None:
+            await ready()
 
     async def _on_message(self, credit: Credit, message: AbstractIncomingMessage) -> None:
         credit.held += 1

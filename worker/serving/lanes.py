@@ -41,6 +41,7 @@ class Lane:
     queue: str
     weight: float
     spare_since: float | None = None  # since when some of its credits have gone unused
+    peak_used: int = 0  # the most of its credits in use at once since then
 
 
 class Lanes:
@@ -85,10 +86,11 @@ class Lanes:
         when all are in use, up to `lane_window` (a backlog is reached in a few steps, a
         trickle does not grab the window, and one client alone leaves the other lanes
         their look-ahead: a newcomer gets it at once, not only as the backlog's requests
-        end); what it has while some go unused, until they have gone unused
-        for `reclaim_s`, then what it uses. Each lane not over its limit gets one credit
-        first; the rest of `total` goes by weight, max-min fair (no lane more than it
-        asks; what one does not ask for goes to the others in proportion to weight)."""
+        end); what it has while some go unused, until some have gone unused for
+        `reclaim_s`, then the most it used at once meanwhile. Each lane not over its
+        limit gets one credit first; the rest of `total` goes by weight, max-min fair (no
+        lane more than it asks; what one does not ask for goes to the others in
+        proportion to weight)."""
         demand: dict[str, int] = {}
         for client, lane in self.lanes.items():
             have, busy = credits.get(client, 0), used.get(client, 0)
@@ -103,12 +105,15 @@ class Lanes:
                 lane.spare_since = None
             elif lane.spare_since is None:
                 demand[client] = have
-                lane.spare_since = now
+                lane.spare_since, lane.peak_used = now, busy
             elif now - lane.spare_since >= self.reclaim_s:
-                demand[client] = max(busy, 1)
-                lane.spare_since = now  # the next reclaim waits as long again
+                # What it used at most meanwhile (a snapshot taken just after requests
+                # ended would give back credits about to be used again).
+                demand[client] = max(lane.peak_used, busy, 1)
+                lane.spare_since, lane.peak_used = now, busy  # the next waits as long
             else:
                 demand[client] = have
+                lane.peak_used = max(lane.peak_used, busy)
         weights = {c: lane.weight for c, lane in self.lanes.items()}
         return water_fill(total, demand, weights)
 
