@@ -304,3 +304,40 @@ async def test_a_cancel_cut_by_a_closed_channel_leaves_no_dead_credit(caplog: An
     assert sorted(tag for what, tag in events if what == "ack") == list(range(20))
     intake.stop()
     await asyncio.wait_for(run, 10)
+
+
+async def test_a_drain_gives_back_no_message_to_a_credit_still_being_cancelled() -> None:
+    events: list[Any] = []
+    broker = Broker(events)
+    release = asyncio.Event()
+
+    async def deliver(message: Any, admitted: Any) -> None:
+        await release.wait()
+        await message.ack()
+
+    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), 2, deliver)
+    lane = await broker.declare_queue("q.client.a", passive=True)
+    lane.publish(20)
+    run = asyncio.create_task(intake.run())
+    await settle_down(200)
+    assert intake.credits() == {"a": 1, "other": 1} and intake.held == 1
+    gate = asyncio.Event()
+    cancel = lane.cancel
+
+    async def slow_cancel(tag: str) -> None:  # the broker has not answered yet
+        await gate.wait()
+        await cancel(tag)
+
+    lane.cancel = slow_cancel  # type: ignore[method-assign]
+    drain.pause()
+    intake.capacity_changed()
+    await settle_down()
+    release.set()  # message 0 ends; the consumer, still there, is pushed message 1
+    await settle_down()
+    assert ("ack", 0) in events and not [e for e in events if e[0] == "requeue"]
+    gate.set()  # the cancel is through: message 1 goes back, and nothing comes after it
+    await settle_down()
+    assert [e for e in events if e[0] == "requeue"] == [("requeue", 1)]
+    assert len(lane.messages) == 18 and intake.held == 0
+    intake.stop()
+    await asyncio.wait_for(run, 10)

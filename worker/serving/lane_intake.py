@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
@@ -43,6 +43,7 @@ class Credit:
     lane: Lane
     held: int = 0  # its messages not yet settled (one; two across a reconnect)
     cancelled: bool = False
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # its cancel has ended
 
 
 class LaneIntake(Intake):
@@ -146,6 +147,7 @@ class LaneIntake(Intake):
             # a leaving credit's (and the consumer goes with its channel).
             self._active[lane.client].remove(credit)
             credit.cancelled = True
+            credit.gone.set()
             raise
 
     async def _cancel_all(self, credits: list[Credit]) -> None:
@@ -162,6 +164,8 @@ class LaneIntake(Intake):
         done = await asyncio.gather(
             *(self._queues[k.lane.client].cancel(k.tag) for k in credits), return_exceptions=True
         )
+        for credit in credits:
+            credit.gone.set()
         failed = [e for e in done if isinstance(e, Exception)]
         if failed:
             log.warning(
@@ -182,6 +186,9 @@ class LaneIntake(Intake):
         credit.held += 1
         if credit.cancelled:
             self._leaving.add(credit)  # delivered as it was being cancelled
+            # Until the broker has the cancel, a message given back (a drain) would come
+            # straight back to this consumer, spending a delivery count each time.
+            await credit.gone.wait()
 
         def settled() -> None:
             credit.held -= 1
