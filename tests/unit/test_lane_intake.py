@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 from tests.unit.test_serving import FakeEngine, FakeMessage, cap, settlement
@@ -267,7 +268,20 @@ async def test_burst_mode_ends_once_every_lane_is_empty_and_all_is_settled() -> 
     assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
 
 
-async def test_a_cancel_cut_by_a_closed_channel_leaves_no_dead_credit(caplog: Any) -> None:
+@dataclass
+class OneLane:
+    """Lane `a` with 20 messages, consumed by a running intake whose requests end only
+    once `release` is set."""
+
+    events: list[Any]
+    lane: FakeLane
+    intake: LaneIntake
+    drain: DrainState
+    run: asyncio.Task[None]
+    release: asyncio.Event
+
+
+async def one_lane(max_held: int) -> OneLane:
     events: list[Any] = []
     broker = Broker(events)
     release = asyncio.Event()
@@ -276,11 +290,17 @@ async def test_a_cancel_cut_by_a_closed_channel_leaves_no_dead_credit(caplog: An
         await release.wait()
         await message.ack()
 
-    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), 6, deliver)
+    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), max_held, deliver)
     lane = await broker.declare_queue("q.client.a", passive=True)
     lane.publish(20)
     run = asyncio.create_task(intake.run())
     await settle_down(200)
+    return OneLane(events, lane, intake, drain, run, release)
+
+
+async def test_a_cancel_cut_by_a_closed_channel_leaves_no_dead_credit(caplog: Any) -> None:
+    t = await one_lane(6)
+    events, lane, intake, drain, release = t.events, t.lane, t.intake, t.drain, t.release
     assert intake.credits() == {"a": 5, "other": 1} and intake.held == 5
 
     async def closed(tag: str) -> None:
@@ -303,23 +323,12 @@ async def test_a_cancel_cut_by_a_closed_channel_leaves_no_dead_credit(caplog: An
     assert not lane.messages and intake.held == 0
     assert sorted(tag for what, tag in events if what == "ack") == list(range(20))
     intake.stop()
-    await asyncio.wait_for(run, 10)
+    await asyncio.wait_for(t.run, 10)
 
 
 async def test_a_drain_gives_back_no_message_to_a_credit_still_being_cancelled() -> None:
-    events: list[Any] = []
-    broker = Broker(events)
-    release = asyncio.Event()
-
-    async def deliver(message: Any, admitted: Any) -> None:
-        await release.wait()
-        await message.ack()
-
-    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), 2, deliver)
-    lane = await broker.declare_queue("q.client.a", passive=True)
-    lane.publish(20)
-    run = asyncio.create_task(intake.run())
-    await settle_down(200)
+    t = await one_lane(2)
+    events, lane, intake, drain, release = t.events, t.lane, t.intake, t.drain, t.release
     assert intake.credits() == {"a": 1, "other": 1} and intake.held == 1
     gate = asyncio.Event()
     cancel = lane.cancel
@@ -340,4 +349,4 @@ async def test_a_drain_gives_back_no_message_to_a_credit_still_being_cancelled()
     assert [e for e in events if e[0] == "requeue"] == [("requeue", 1)]
     assert len(lane.messages) == 18 and intake.held == 0
     intake.stop()
-    await asyncio.wait_for(run, 10)
+    await asyncio.wait_for(t.run, 10)
