@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -196,7 +195,6 @@ class LLMEngine:
             prefix_queries_total=self.scheduler.kv.prefix_queries,
             prefix_hits_total=self.scheduler.kv.prefix_hits,
             client_tokens=client_tokens,
-            client_waiting=dict(Counter(r.client for r in self.scheduler.policy)),
         )
         self.last_stats = stats
         self.recent_stats.append(stats)

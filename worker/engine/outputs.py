@@ -133,7 +133,6 @@ class StepStats:
     # Per client: (prompt tokens, generated tokens) computed this step (fair sharing's
     # "service received", as it happens).
     client_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
-    client_waiting: dict[str, int] = field(default_factory=dict)  # after the step
 
     @property
     def overhead_s(self) -> float:

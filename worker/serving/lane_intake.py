@@ -65,7 +65,6 @@ class LaneIntake(Intake):
         self._queues: dict[str, AbstractQueue] = {}
         self._active: dict[str, list[Credit]] = {c: [] for c in lanes.lanes}
         self._leaving: set[Credit] = set()  # cancelled, still holding a message
-        self._shown: dict[str, int] = {}  # credits per lane as the metric shows them
         self._tags = (f"kvflow.{uuid.uuid4().hex[:8]}.{n}" for n in itertools.count())
 
     def credits(self) -> dict[str, int]:
@@ -123,12 +122,13 @@ class LaneIntake(Intake):
             if extra > 0:
                 over += sorted(credits, key=lambda k: k.held)[:extra]
         await self._cancel_all(over)
+        added = False
         for client, credits in self._active.items():
             while len(credits) < want[client] and self._room_for_credit():
                 await self._add(self.lanes.lanes[client])
-        for client, n in self.credits().items():
-            if self._shown.get(client) != n:
-                self._shown[client] = n
+                added = True
+        if over or added:
+            for client, n in self.credits().items():
                 self.metrics.set_lane_credits(client, n)
 
     def _room_for_credit(self) -> bool:
