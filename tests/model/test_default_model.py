@@ -9,7 +9,7 @@ from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
-from worker.hardware import AGREEMENT_BAR, INT8_AGREEMENT
+from worker.hardware import AGREEMENT_BAR, INT8_AGREEMENT, int8_reduce_range, read_cpu_flags
 from worker.model.loader import load_model
 from worker.request import SamplingParams
 
@@ -153,13 +153,16 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
 
 
 # Int8 linear layers miss the 99% bar on this model (worker.hardware.INT8_AGREEMENT);
-# they must not drift below what was measured by more than a few positions either.
-INT8_FLOOR = 0.85
+# they must not drift below what was measured by more than a few positions either. With
+# 8-bit inputs (a CPU with integer dot products) 288 of 320 were measured; with 7-bit
+# inputs (`int8_reduce_range`: an AMD EPYC with AVX2 only) 268-276.
+INT8_FLOOR = {False: 0.85, True: 0.80}
 
 
 def _int8_check(agree: int, total: int) -> None:
     assert total == 64 * len(PROMPTS)
-    assert agree / total >= INT8_FLOOR, f"int8 agrees on {agree}/{total} next tokens"
+    floor = INT8_FLOOR[int8_reduce_range(read_cpu_flags())]
+    assert agree / total >= floor, f"int8 agrees on {agree}/{total} next tokens"
     # Auto picks int8 only over the bar: if the measurement crosses it, update the figure.
     assert (agree / total >= AGREEMENT_BAR) == (INT8_AGREEMENT >= AGREEMENT_BAR), (
         f"int8 agrees on {agree}/{total}; worker.hardware.INT8_AGREEMENT is {INT8_AGREEMENT}"

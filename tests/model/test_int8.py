@@ -17,24 +17,31 @@ from worker.model.loader import dtype_name, load_model
 from worker.model.quant import Int8Linear
 from worker.request import SamplingParams
 
+# The CPU's own input width (7 bits without integer dot products, where 8 could saturate
+# the 16-bit pair sums) and, where that is 8 bits, 7 as well: both must hold the bound.
+CPU_REDUCE_RANGE = int8_reduce_range(read_cpu_flags())
+RANGES = sorted({True, CPU_REDUCE_RANGE})
+
 
 def error_bound(x: torch.Tensor, w: torch.Tensor, lin: Int8Linear) -> torch.Tensor:
     """[T, out] worst case of |int8 result - exact| under round-to-nearest: weights off by
-    at most half their row's step s, inputs by half of 2 |x|max / 255 (8 bits over the
-    pinned [-1, 1] range, scaled back by the row's |x| max)."""
-    dx = x.abs().amax(-1, keepdim=True) * 2 / 255  # [T, 1] the input's step
+    at most half their row's step s, inputs by half of 2 |x|max / levels (255 levels in 8
+    bits, 127 in 7, over the pinned [-1, 1] range, scaled back by the row's |x| max)."""
+    levels = 127 if lin.reduce_range else 255
+    dx = x.abs().amax(-1, keepdim=True) * 2 / levels  # [T, 1] the input's step
     wq = w.abs() + lin.scale[:, None] / 2  # [out, in] |dequantized weight| at most
     by_weights = x.abs().sum(-1, keepdim=True) * lin.scale[None, :] / 2  # [T, out]
     by_inputs = dx / 2 * wq.sum(1)[None, :]  # [T, out]
     return by_weights + by_inputs + 1e-4  # float32 rounding of the scaled result
 
 
+@pytest.mark.parametrize("reduce_range", RANGES)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_int8_linear_stays_within_the_quantization_bound(rows: int) -> None:
+def test_int8_linear_stays_within_the_quantization_bound(rows: int, reduce_range: bool) -> None:
     g = torch.Generator().manual_seed(31 + rows)
     w = torch.randn(200, 96, generator=g) * 0.1
     b = torch.randn(200, generator=g)
-    lin = Int8Linear(w, b, reduce_range=False)
+    lin = Int8Linear(w, b, reduce_range)
     x = torch.randn(rows, 96, generator=g)
     x[0] *= 1000  # an outlier row must not coarsen the others
     got = lin(x)
@@ -49,7 +56,7 @@ def test_int8_linear_stays_within_the_quantization_bound(rows: int) -> None:
 
 def test_int8_linear_rows_are_bitwise_the_same_in_any_batch() -> None:
     g = torch.Generator().manual_seed(32)
-    lin = Int8Linear(torch.randn(64, 48, generator=g), None, reduce_range=False)
+    lin = Int8Linear(torch.randn(64, 48, generator=g), None, CPU_REDUCE_RANGE)
     x = torch.randn(20, 48, generator=g)
     x[3] *= 500
     x[4] = 0  # a zero row gives zeros, not NaN
