@@ -117,6 +117,14 @@ TIMESTAMPS = tuple(name for name in FIELDS if name.endswith("_at"))
 # The fields a later record may set on a row (status and attempts have rules of their own).
 MERGED = tuple(name for name in FIELDS if name not in ("id", "status", "attempts"))
 _TEXTS = ("prompt", "output_text", "error")
+# What tells one delivery's outcome from another's: a final row keeps the first terminal
+# record's (status, worker, finish time), whoever writes after it.
+OUTCOME = ("id", "status", "worker_id", "finished_at")
+
+
+def same_outcome(row: Mapping[str, Any], rec: RequestRecord) -> bool:
+    """Whether the row's (id, status, worker, finish time) are `rec`'s."""
+    return all(aware(row[name]) == getattr(rec, name) for name in OUTCOME)
 
 
 def storable(value: Any) -> Any:

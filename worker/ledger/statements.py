@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import sqltypes
 
-from worker.ledger.records import MERGED
+from worker.ledger.records import MERGED, OUTCOME
 from worker.ledger.states import ACTIVE, TERMINAL, LedgerStatus
 from worker.ledger.tables import requests, workers
 
@@ -37,7 +37,8 @@ def _is_final(status: ColumnElement[Any]) -> ColumnElement[bool]:
 
 def upsert_requests(dialect: str) -> Any:
     """The batch upsert of records: one statement, executed with many parameter sets.
-    RETURNING gives each row as it stands after the statement."""
+    RETURNING gives each row's outcome as it stands after the statement (OUTCOME's
+    columns): the whole row is read back only where the outcome is not the writer's."""
     stmt = insert(dialect)(requests)
     t, ex = requests.c, stmt.excluded
     final = _is_final(t.status)
@@ -52,7 +53,7 @@ def upsert_requests(dialect: str) -> Any:
     # its committed row back.
     return stmt.on_conflict_do_update(
         index_elements=[t.id], set_=set_, where=or_(~final, _is_final(ex.status))
-    ).returning(*requests.c)
+    ).returning(*(t[name] for name in OUTCOME))
 
 
 def mark_requests(dialect: str) -> Any:

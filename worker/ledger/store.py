@@ -149,8 +149,10 @@ class LedgerStore:
     def record(self, rec: RequestRecord) -> asyncio.Future[RequestRecord | None]:
         """Queue `rec`; the future resolves once it is committed (LedgerWriteError if the
         database refuses it, LedgerClosed if the store closes first). Its result: for a
-        terminal `rec`, the final row as committed (the first terminal record of this id
-        wins, whoever wrote it); None for the others."""
+        terminal `rec`, the outcome the ledger keeps (the first terminal record of this
+        id wins, whoever wrote it): `rec` (merged with records of its id written in the
+        same batch) where its outcome was committed, else the committed row, read back
+        whole; None for the others."""
         return self._writer.put(rec)
 
     async def mark_received(self, id: str, **fields: Any) -> RequestRecord | None:

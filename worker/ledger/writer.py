@@ -5,7 +5,8 @@ takes up to `batch_size` queued records (waiting at most `flush_interval_s` for 
 to fill), folds the records of one id into one row (`records.merge`), upserts them in
 one statement (`statements.upsert_requests`: a multi-row INSERT ... ON CONFLICT, atomic on
 its own, so it is autocommitted: no BEGIN and COMMIT round trips) and then resolves the
-futures: for a terminal record, with the row as the ledger holds it after the commit.
+futures: for a terminal record, with the outcome the ledger holds after the commit (the
+record itself, or another delivery's row that was final first).
 When the database is slow the batches grow; when it is down the batch waits in the
 `Retrier` and the records stay queued, delayed, never lost, until `close()` gives up.
 """
@@ -22,12 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.turns import end_of_burst
 from worker.ledger import statements
-from worker.ledger.records import RequestRecord, merge
+from worker.ledger.records import RequestRecord, merge, same_outcome
 from worker.ledger.retry import Retrier
+from worker.ledger.tables import requests
 
 log = logging.getLogger("worker.ledger.store")
 
@@ -161,17 +164,31 @@ class RecordWriter:
                     )
 
     async def _write(self, recs: Sequence[RequestRecord]) -> dict[str, RequestRecord]:
-        """Upsert `recs` in one statement; returns the committed rows of the terminal ones."""
+        """Upsert `recs` in one statement; returns, for each terminal one, the record of
+        the outcome the ledger keeps: the record itself where its outcome was committed
+        (almost always), else the committed row, read back whole."""
         start = time.perf_counter()
         now = datetime.now(UTC)
-        final_ids = {r.id for r in recs if r.terminal}
+        final = {r.id: r for r in recs if r.terminal}
+        stored: dict[str, RequestRecord] = {}
         async with self._engine.connect() as conn:
             res = await self._upsert.execute(conn, [r.row(now) for r in recs])
-            stored = {
-                row["id"]: RequestRecord.from_row(row)
-                for row in res.mappings()
-                if row["id"] in final_ids
-            }
+            # Only the outcome's columns come back: the whole row (prompt, output, token
+            # ids, metadata) of every record of every batch would cost the event loop
+            # more than the statement itself for nothing.
+            lost = []
+            for row in res.mappings():
+                rec = final.get(row["id"])
+                if rec is None:
+                    continue
+                if same_outcome(row, rec):
+                    stored[rec.id] = rec
+                else:
+                    lost.append(rec.id)
+            if lost:  # another delivery's outcome came first: reply with it
+                read = select(requests).where(requests.c.id.in_(lost))
+                for row in (await conn.execute(read)).mappings():
+                    stored[row["id"]] = RequestRecord.from_row(row)
         self.write_latency.observe(time.perf_counter() - start)
         self.records_written += len(recs)
         return stored
