@@ -11,6 +11,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
 from worker.hardware import AGREEMENT_BAR, INT8_AGREEMENT, int8_reduce_range, read_cpu_flags
 from worker.model.loader import load_model
+from worker.model.quant import Int8Linear
 from worker.request import SamplingParams
 
 PROMPTS = [
@@ -135,6 +136,22 @@ def test_bfloat16_next_token_agrees_with_float32(default_model_dir) -> None:
     agree, total = _prefill_agreement(bf16, ids, outs)
     assert total == 64 * len(AGREEMENT_PROMPTS)
     assert agree / total >= 0.99, f"bf16 agrees on {agree}/{total} next tokens"
+
+
+@pytest.mark.slow
+def test_an_int8_output_projection_keeps_float32_picks(default_model_dir) -> None:
+    """Float32 linear layers with the int8 narrow output projection (`--dtype auto` on a
+    CPU without native bfloat16): each row's best candidates are re-scored in float32,
+    so the greedy pick is float32's at >= 99% of positions (the narrow copy must only
+    miss float32's best from its top candidates)."""
+    ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
+    loaded = load_model(str(default_model_dir), dtype="float32", head_dtype="int8")
+    assert isinstance(loaded.model.narrow_head, Int8Linear)
+    runner = ModelRunner(EngineConfig(num_kv_blocks=256), loaded)
+    agree, total = _prefill_agreement(runner, ids, outs)
+    print(f"int8 output projection: {agree}/{total}")
+    assert total == 64 * len(AGREEMENT_PROMPTS)
+    assert agree / total >= 0.99, f"int8 output projection: {agree}/{total} next tokens agree"
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from worker.hardware import (
     cgroup_cpu_limit,
     choose_dtype,
     choose_kv_dtype,
+    choose_output_head,
     int8_reduce_range,
     parse_cpu_flags,
 )
@@ -102,3 +103,14 @@ def test_threads_follow_affinity_and_quota_not_the_host() -> None:
     assert available_cores(affinity=64, cgroup_limit=1.5) == 2  # a part core rounds up
     assert available_cores(affinity=2, cgroup_limit=8.0) == 2
     assert available_cores(affinity=0, cgroup_limit=0.5) == 1
+
+
+def test_the_output_projection_narrows_beside_auto_float32_only() -> None:
+    """Float32 layers chosen by auto take int8 candidates (re-scored in float32); an
+    explicit float32 keeps one exact projection; narrower layers keep their own dtype."""
+    auto = choose_output_head("auto", "float32", "cpu")
+    assert auto.dtype == "int8" and "re-scored in float32" in auto.reason
+    assert choose_output_head("float32", "float32", "cpu").dtype == "float32"
+    assert choose_output_head("auto", "bfloat16", "cpu").dtype == "bfloat16"
+    assert choose_output_head("int8", "int8", "cpu").dtype == "int8"
+    assert choose_output_head("auto", "float16", "cuda").dtype == "float16"

@@ -22,7 +22,7 @@ from worker.engine.outputs import RequestOutput, SchedulerOutput, StepStats
 from worker.engine.scheduler import Scheduler
 from worker.engine.steplog import StepLog
 from worker.engine.tuning import OperatingPoint, tune
-from worker.hardware import DtypeChoice, choose_dtype, read_cpu_flags
+from worker.hardware import DtypeChoice, choose_dtype, choose_output_head, read_cpu_flags
 from worker.limits import RequestLimits
 from worker.model.loader import LoadedModel, dtype_name, load_model
 from worker.request import Request, RequestStatus, SamplingParams
@@ -66,13 +66,16 @@ class LLMEngine:
                 read_cpu_flags(),
                 cuda_bf16=config.device != "cpu" and torch.cuda.is_bf16_supported(),
             )
+            head = choose_output_head(config.dtype, choice.dtype, config.device)
             loaded = load_model(
                 config.model,
                 choice.dtype,
                 config.device,
                 max_positions=config.max_model_len,
                 cache_dir=config.cache_dir,
+                head_dtype=head.dtype,
             )
+            choice = DtypeChoice(choice.dtype, f"{choice.reason}; output projection: {head.reason}")
         else:
             choice = DtypeChoice(dtype_name(loaded), "the dtype of the model passed in")
         self.loaded = loaded

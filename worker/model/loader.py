@@ -63,6 +63,7 @@ def load_model(
     device: str = "cpu",
     max_positions: int | None = None,
     cache_dir: str | None = None,
+    head_dtype: str | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer; q/k/v and gate/up weights are fused on the way in.
 
@@ -75,7 +76,9 @@ def load_model(
     float32 one 99.1% (tests/model/test_default_model.py); a model with a hidden size
     under NARROW_HEAD_MIN_HIDDEN keeps one float32 projection. On CUDA the whole model
     takes `dtype`. "int8" (CPU only) loads the linear layers in float32 and quantizes
-    them (`Int8Linear`), the output projection's narrow copy included.
+    them (`Int8Linear`), the output projection's narrow copy included. `head_dtype`
+    (CPU; a key of DTYPES) sets the narrow copy's dtype apart from the linear layers':
+    "int8" beside float32 layers (`worker.hardware.choose_output_head`).
     """
     dev = torch.device(device)
     if dtype == "int8" and dev.type != "cpu":
@@ -90,13 +93,12 @@ def load_model(
     net.load_state_dict(state, strict=True, assign=True)
     net.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings).to(dev, act_dtype)
     narrow = dev.type == "cpu" and cfg.hidden_size >= NARROW_HEAD_MIN_HIDDEN
+    head = DTYPES[head_dtype] if head_dtype is not None else torch_dtype
+    reduce_range = int8_reduce_range(read_cpu_flags())
     if torch_dtype == torch.qint8:
-        reduce_range = int8_reduce_range(read_cpu_flags())
         _quantize_decoder(net, reduce_range)
-        if narrow:
-            net.narrow_output_projection(torch.qint8, reduce_range)
-    elif narrow:
-        net.narrow_output_projection(torch_dtype)
+    if narrow:
+        net.narrow_output_projection(head, reduce_range)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
     name = path.name.split("-")[0] if model is None else Path(model).stem
