@@ -75,7 +75,10 @@ class LLMEngine:
                 cache_dir=config.cache_dir,
                 head_dtype=head.dtype,
             )
-            choice = DtypeChoice(choice.dtype, f"{choice.reason}; output projection: {head.reason}")
+            if loaded.model.narrow_head is not None:  # too small a model keeps float32's
+                choice = DtypeChoice(
+                    choice.dtype, f"{choice.reason}; output projection: {head.reason}"
+                )
         else:
             choice = DtypeChoice(dtype_name(loaded), "the dtype of the model passed in")
         self.loaded = loaded
