@@ -12,6 +12,7 @@ decision functions take the facts as arguments, so tests can ask about any machi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 from dataclasses import dataclass
@@ -183,3 +184,39 @@ def detect_cores() -> int:
     with contextlib.suppress(OSError):
         limit = cgroup_cpu_limit(Path("/sys/fs/cgroup/cpu.max").read_text())
     return available_cores(affinity, limit)
+
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+MADV_HUGEPAGE = 14  # linux/mman.h
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def advise_huge_pages(address: int, nbytes: int, setting: Path = THP_SETTING) -> bool:
+    """Ask Linux to back [address, address + nbytes) with 2 MB pages where its pages are
+    first touched (madvise MADV_HUGEPAGE over the whole huge pages inside the range).
+
+    For the KV cache: decode attention reads each sequence's blocks (4 KB runs at the
+    default model's shape) scattered over the cache, where every run on 4 KB pages is a
+    TLB miss of its own; on an AMD EPYC with AVX2 only, where the kernel is bound by
+    these reads, 2 MB pages took ~10% off its time. Only where the kernel's THP setting
+    is `madvise` or `always` ([madvise] is what these machines run); False elsewhere,
+    and where the range holds no whole huge page or the call fails.
+    """
+    try:
+        chosen = setting.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return False
+    if chosen not in ("madvise", "always"):
+        return False
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return bool(madvise(start, end - start, MADV_HUGEPAGE) == 0)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 
+from tests.procfs import vm_flags
 from worker.hardware import (
+    HUGE_PAGE,
+    advise_huge_pages,
     available_cores,
     cgroup_cpu_limit,
     choose_dtype,
@@ -114,3 +120,19 @@ def test_the_output_projection_narrows_beside_auto_float32_only() -> None:
     assert choose_output_head("auto", "bfloat16", "cpu").dtype == "bfloat16"
     assert choose_output_head("int8", "int8", "cpu").dtype == "int8"
     assert choose_output_head("auto", "float16", "cuda").dtype == "float16"
+
+
+def test_huge_pages_are_asked_for_whole_pages_only_where_the_kernel_allows(tmp_path) -> None:
+    region = mmap.mmap(-1, 8 * HUGE_PAGE)  # anonymous, untouched
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    setting = tmp_path / "enabled"
+    try:
+        setting.write_text("always madvise [never]\n")
+        assert not advise_huge_pages(address, 8 * HUGE_PAGE, setting)
+        setting.write_text("always [madvise] never\n")
+        assert not advise_huge_pages(address + 1, HUGE_PAGE, setting)  # no whole page inside
+        assert "hg" not in vm_flags(address + 4 * HUGE_PAGE)
+        assert advise_huge_pages(address, 8 * HUGE_PAGE, setting)
+        assert "hg" in vm_flags(address + 4 * HUGE_PAGE)  # the kernel took the advice
+    finally:
+        region.close()

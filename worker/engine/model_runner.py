@@ -16,7 +16,7 @@ import torch
 from worker.config import CUDA_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, EngineConfig
 from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from worker.hardware import choose_kv_dtype, detect_cores
+from worker.hardware import advise_huge_pages, choose_kv_dtype, detect_cores
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -106,13 +106,8 @@ class ModelRunner:
         self.num_kv_heads = mcfg.num_kv_heads
         # Head-major blocks (worker.model.attention explains why).
         shape = (num_blocks, mcfg.num_kv_heads, self.block_size, mcfg.head_dim)
-        # Zeroed: padded attention reads unwritten slots (masked, but 0 * NaN is NaN).
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
-            for _ in range(mcfg.num_layers)
+            (self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(mcfg.num_layers)
         ]
         self.workspace = Workspace(self.device, self.kv_dtype)
         # CPU: a step of one or two tokens runs no faster on several OpenMP threads, but
@@ -166,6 +161,15 @@ class ModelRunner:
                 raise ValueError(f"attention 'native' is not available: {loaded.reason}")
             return None, f"torch ({loaded.reason})"
         return loaded.kernels, f"native, in place ({loaded.reason})"
+
+    def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's K or V cache [blocks, KV heads, block size, D], zeroed (padded
+        attention reads unwritten slots: masked, but 0 * NaN is NaN). On CPU it asks for
+        2 MB pages before the zeroing first touches it (`advise_huge_pages`)."""
+        t = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        if t.device.type == "cpu":
+            advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+        return t.zero_()
 
     def _kv_budget(self, config: EngineConfig) -> int:
         if config.kv_cache_bytes is not None:
