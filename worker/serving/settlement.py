@@ -25,6 +25,7 @@ from broker.acks import Acks, DirectAcks
 from broker.messages import CRASHES_HEADER
 from broker.publisher import Requeuer
 from worker.ledger import LedgerStore, RequestRecord
+from worker.ledger.records import OUTCOME
 from worker.metrics import MessageEvent, Metrics
 from worker.outcome import Outcome, crashed_alone_text, returned_text
 from worker.records import Origin, error_record
@@ -281,4 +282,4 @@ class Settlement:
 
 
 def _same_outcome(a: RequestRecord, b: RequestRecord) -> bool:
-    return (a.status, a.worker_id, a.finished_at) == (b.status, b.worker_id, b.finished_at)
+    return all(getattr(a, name) == getattr(b, name) for name in OUTCOME)
