@@ -3,6 +3,7 @@ back onto their own queue (`Requeuer`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any, cast
@@ -14,6 +15,23 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from broker.messages import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
+
+RESTORE_WAIT_S = 30.0  # how long a publish waits for its channel to be back after a reconnect
+
+
+async def open_channel(channel: AbstractChannel) -> aiormq.Channel:
+    """`channel`'s current AMQP channel, once it is open again after a reconnect (bounded).
+
+    A robust connection comes back before its channels, and restores them one by one:
+    a consumer on one may be delivering again while the publishing one is still closed.
+    Without this wait, the replies of those deliveries fail at once, and each delivery
+    goes back to its queue in a loop that spends a delivery count per turn until the
+    broker dead-letters it.
+    """
+    ready = getattr(channel, "ready", None)  # robust channels only
+    if ready is not None and channel.is_closed:
+        await asyncio.wait_for(ready(), RESTORE_WAIT_S)
+    return cast(aiormq.Channel, await channel.get_underlay_channel())
 
 
 class ReplyPublisher:
@@ -44,7 +62,7 @@ class ReplyPublisher:
             content_type=CONTENT_TYPE, correlation_id=correlation_id, delivery_mode=1
         )
         try:
-            channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+            channel = await open_channel(self._channel)
             # With confirms on, this await ends on the broker's Ack, Nack or Return.
             outcome = await channel.basic_publish(
                 body, routing_key=reply_to, properties=properties, mandatory=True, wait=False
@@ -95,7 +113,7 @@ class Requeuer:
         properties.user_id = None  # the broker checks it against our login; app_id stays
         # As ReplyPublisher: handed to the writer without holding the channel's lock
         # across turns; the confirm is still awaited.
-        channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+        channel = await open_channel(self._channel)
         outcome = await channel.basic_publish(
             message.body,
             routing_key=self._queue,

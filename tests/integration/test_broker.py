@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from broker import BrokerUnavailable, Client, RequestFailed, SubmitFailed, SyncClient
 from broker.commands import submit as submit_command
+from broker.connection import connect
 from broker.messages import (
     RequestMessage,
     decode_reply,
@@ -240,6 +241,47 @@ async def test_reply_publisher_confirms_and_survives_a_missing_queue(amqp_connec
     assert not await publisher.publish("test.no-such-reply-queue", "c2", b"\x80")
     assert "unroutable" in caplog.text
     assert await publisher.publish(queue.name, "c3", b"\x80")  # the channel still works
+
+
+async def test_publishes_during_a_reconnect_wait_for_their_channel(
+    amqp_url, amqp_connection, rabbit_topology, tcp_proxy
+):
+    """A robust connection comes back before its channels, and a consumer restored first
+    delivers while the publishing channel is still closed: a reply or a requeue published
+    then waits for that channel (bounded) instead of failing, which would send the
+    delivery back to its queue in a loop, a delivery count per turn."""
+    declared = await declare(await amqp_connection.channel(), rabbit_topology)
+    replies = await (await amqp_connection.channel()).declare_queue("", exclusive=True)
+    proxy = await tcp_proxy("127.0.0.1", 5672)
+    via_proxy = amqp_url.replace(":5672", f":{proxy.port}")
+    assert via_proxy != amqp_url
+    connection = await connect(f"{via_proxy}?reconnect_interval=0.2", robust=True)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        replier = ReplyPublisher(channel)
+        requeuer = Requeuer(channel, rabbit_topology.queue)
+        await declared.exchange.publish(aio_pika.Message(b"req"), routing_key=declared.queue.name)
+        request = await _poll(lambda: declared.queue.get(fail=False))
+        assert await replier.publish(replies.name, "before", b"\x80")
+
+        await proxy.down()  # the connection and its channels are cut
+        await proxy.up()
+
+        async def cut() -> bool:
+            return channel.is_closed
+
+        await eventually(cut, "the client to see its channel closed")
+        sent = await asyncio.gather(
+            replier.publish(replies.name, "during", b"\x81"), requeuer.republish(request, {})
+        )
+        assert sent[0] is True and not channel.is_closed
+        got = [await _poll(lambda: replies.get(fail=False, no_ack=True)) for _ in range(2)]
+        assert [m.correlation_id for m in got] == ["before", "during"]
+        await request.ack()
+        copy = await _poll(lambda: declared.queue.get(fail=False, no_ack=True))
+        assert copy.body == b"req"
+    finally:
+        await connection.close()
 
 
 async def test_reply_publisher_needs_confirms(amqp_connection):

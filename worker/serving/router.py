@@ -10,10 +10,10 @@ it pushed to them.
 
 After RabbitMQ comes back, the robust connection restores its channels one by one: the
 router's consumer may be delivering again before the channel it publishes on is back.
-A message that cannot be routed waits for that channel (bounded), and one that still
-cannot is requeued only after a pause: a requeue counts toward the queue's delivery
-limit, and requeued in a tight loop a message would be dead-lettered within
-milliseconds, never having reached a worker.
+A message waits for that channel (bounded: `broker.publisher.open_channel`), and one
+that still cannot be routed is requeued only after a pause: a requeue counts toward the
+queue's delivery limit, and requeued in a tight loop a message would be dead-lettered
+within milliseconds, never having reached a worker.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from worker.serving.lanes import Lanes
 
 log = logging.getLogger(__name__)
 
-RESTORE_WAIT_S = 30.0  # how long a message waits for the publishing channel to be back
 REQUEUE_PAUSE_S = 1.0  # before a message that could not be routed goes back
 
 
@@ -81,7 +80,6 @@ class Router:
         error: Exception | None = None
         for _ in range(2):  # a publish cut by a reconnect is tried once more
             try:
-                await self._publish_channel_ready()
                 await self._requeuers[lane.queue].republish(message, {})
                 error = None
                 break
@@ -96,12 +94,6 @@ class Router:
         await self.acker.ack(message)
         self.routed += 1
         self.metrics.on_message(MessageEvent.ROUTED)
-
-    async def _publish_channel_ready(self) -> None:
-        """Wait (bounded) until the publishing channel is open again after a reconnect."""
-        ready = getattr(self.publish, "ready", None)  # robust channels only
-        if ready is not None and self.publish.is_closed:
-            await asyncio.wait_for(ready(), RESTORE_WAIT_S)
 
 
 def _body_client(body: bytes) -> Any:
