@@ -45,6 +45,7 @@ from worker.admin.queues import queue_counts
 from worker.ledger.migrate import open_engine
 from worker.ledger.tables import requests as requests_table
 from worker.ledger.tables import workers as workers_table
+from worker.serving.lanes import OTHER, lane_queue
 
 REPO = Path(__file__).resolve().parents[2]
 LOOKAHEAD = 2
@@ -170,6 +171,15 @@ def spawn(
     return WorkerProc(worker_id, proc, log_path, log_file)
 
 
+def lane_queues(queue: str, args: Sequence[str]) -> set[str]:
+    """Fair mode's lanes for a worker started with `args` (none without --client-weights)."""
+    if "--client-weights" not in args:
+        return set()
+    weights = args[list(args).index("--client-weights") + 1]
+    clients = {pair.split("=")[0] for pair in weights.split(",")} | {OTHER}
+    return {lane_queue(queue, c) for c in clients}
+
+
 # -- the harness: queues, ledger, client, workers --
 
 
@@ -184,6 +194,10 @@ class Harness:
         self.db = open_engine(db_url)
         self.workers: list[WorkerProc] = []
         self.gate = log_dir / "hold-gate"
+        # Queues the test's workers and helpers declare beyond the topology's (fair
+        # mode's lanes, a stress test's reply queue): deleted with it, so that quorum
+        # queues do not pile up on the broker (each one slows its restart).
+        self.queues: set[str] = {f"{topo.queue}.replies"}
 
     def hold(self) -> None:
         """From now on, requests whose prompt holds HOLD stop after their first token."""
@@ -208,7 +222,19 @@ class Harness:
                 await self.client.close()
             with contextlib.suppress(Exception):
                 await self.connection.close()
+            with contextlib.suppress(Exception):
+                await self._delete_queues()
             await self.db.dispose()
+
+    async def _delete_queues(self) -> None:
+        connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        try:
+            for name in sorted(self.queues):
+                channel = await connection.channel()
+                await channel.queue_delete(name)
+                await channel.close()
+        finally:
+            await connection.close()
 
     # workers
 
@@ -228,6 +254,7 @@ class Harness:
         """A worker; a request whose prompt holds HOLD sits still after its first token
         while the gate is closed, one holding `crash_token` kills its engine process."""
         wid = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.queues |= lane_queues(self.topo.queue, extra)
         cmd = worker_command(
             amqp_url or self.amqp_url,
             self.topo.queue,

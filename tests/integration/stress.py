@@ -425,9 +425,10 @@ class Traffic:
 
     # accounting
 
-    async def dead_letters(self) -> dict[int, bytes]:
-        """Every message now in the dead-letter queue, by sequence number."""
-        found: dict[int, bytes] = {}
+    async def dead_letters(self) -> dict[int, str]:
+        """Every message now in the dead-letter queue, by sequence number: why and from
+        which queue the broker dead-lettered it (its `x-death`), for the failure's text."""
+        found: dict[int, str] = {}
         connection = await aio_pika.connect(self.h.amqp_url, timeout=10)
         try:
             channel = await connection.channel()
@@ -438,7 +439,7 @@ class Traffic:
                     if seq in found:
                         self.tally.duplicated += 1
                         self.tally.bad(f"message {seq} dead-lettered twice")
-                    found[seq] = m.body
+                    found[seq] = _death(m.headers or {})
                 else:
                     self.tally.bad(f"an unknown dead letter {m.message_id!r}")
         finally:
@@ -452,7 +453,7 @@ class Traffic:
         with contextlib.suppress(Exception, pytest.fail.Exception):  # counted below
             await self.h.settled(must_row, timeout=timeout)
         until = time.monotonic() + timeout
-        dead: dict[int, bytes] = {}
+        dead: dict[int, str] = {}
         while True:
             await self.box.read()
             dead |= await self.dead_letters()
@@ -470,7 +471,7 @@ class Traffic:
         t.seconds = time.monotonic() - self._started
         return t
 
-    def _count(self, rows: dict[str, dict[str, Any]], dead: dict[int, bytes]) -> None:
+    def _count(self, rows: dict[str, dict[str, Any]], dead: dict[int, str]) -> None:
         t = self.tally
         t.requests = len(self.sent)
         per_id = Counter(s.rid for s in self.sent if s.rid)
@@ -487,7 +488,7 @@ class Traffic:
             if s.expect == "complete":
                 if s.seq in dead:
                     t.dead_lettered += 1
-                    t.bad(f"{s.kind} {s.rid}: dead-lettered")
+                    t.bad(f"{s.kind} {s.rid}: dead-lettered ({dead[s.seq]})")
                 if row is None or row["status"] != "completed":
                     t.lost += 1
                     t.bad(f"{s.kind} {s.rid}: ledger row {row and row['status']}")
@@ -1210,6 +1211,15 @@ async def _statuses_all(h: Harness) -> Counter[str]:
     async with h.db.connect() as conn:
         result = (await conn.execute(select(t.c.status, func.count()).group_by(t.c.status))).all()
     return Counter({s: int(n) for s, n in result})
+
+
+def _death(headers: dict[str, Any]) -> str:
+    """`reason from queue, count n` of a dead letter's first x-death entry."""
+    deaths = headers.get("x-death")
+    if not isinstance(deaths, list) or not deaths or not isinstance(deaths[0], dict):
+        return "no x-death header"
+    d = deaths[0]
+    return f"{d.get('reason')} from {d.get('queue')}, count {d.get('count')}"
 
 
 def _same_final(a: dict[str, Any], b: dict[str, Any]) -> bool:
