@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -14,19 +16,19 @@ from worker.model.loader import load_model
 from worker.model.quant import Int8Linear
 from worker.request import SamplingParams
 
-PROMPTS = [
+PROMPTS = (
     "What is the capital of France?",
     "Write a short poem about autumn leaves.",
     "Explain in two sentences why the sky is blue.",
     "List three uses of a paper clip.",
     "Où se trouve la tour Eiffel ? Réponds en français.",
-]
+)
 MAX_TOKENS = 32
 # The bfloat16 agreement tests' sample: 16 prompts x 64 positions. At 5 prompts (320
 # positions) the measured 317 agreeing was the smallest count over 99%, so one position
 # moved by a CPU's rounding decided the test; over 1,024 the Intel Xeon measured
 # 1016-1018 (99.2-99.4%) against a bar of 1014.
-AGREEMENT_PROMPTS = [
+AGREEMENT_PROMPTS = (
     *PROMPTS,
     "Give me a recipe for a simple tomato soup.",
     "What are the planets of the solar system?",
@@ -39,7 +41,7 @@ AGREEMENT_PROMPTS = [
     "Explain what a hash table is to a beginner.",
     "Write a haiku about the sea.",
     "What should I pack for a weekend hiking trip?",
-]
+)
 
 
 @pytest.mark.slow
@@ -69,7 +71,8 @@ def test_greedy_matches_transformers(default_model_dir) -> None:
     assert "Paris" in ours[0].text
 
 
-def _float32_greedy(prompts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+@functools.cache  # one reference for the module's tests (a float32 run of up to 16 x 64 tokens)
+def _float32_greedy(prompts: tuple[str, ...]) -> tuple[list[list[int]], list[list[int]]]:
     """`prompts` as chat token ids, and float32's greedy continuations (64 tokens, EOS
     ignored): the reference the narrower dtypes are held to, under teacher forcing."""
     assert len(prompts) <= 16  # each sequence has 16 of the 256 cache blocks

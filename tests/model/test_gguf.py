@@ -500,14 +500,15 @@ def test_default_model_path_is_the_bundled_gguf() -> None:
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers_gguf_loader(tmp_path: Path) -> None:
-    """The real model: our directory and transformers' own GGUF loading agree."""
+def test_default_model_matches_transformers_gguf_loader(default_model_dir: Path) -> None:
+    """The real model: our directory (the session's one conversion) and transformers' own
+    GGUF loading agree."""
     import json
 
     import torch
     import transformers
 
-    out = cached_conversion(default_model_path(), tmp_path)
+    out = default_model_dir
     config = json.loads((out / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]) == (
         30,
