@@ -172,3 +172,43 @@ async def test_a_backlog_does_not_starve_a_few_requests_and_service_follows_weig
     assert all(n["ready"] == 0 for n in doc["lanes"].values()), doc["lanes"]
     served = {c["client"]: c for c in doc["clients"]}
     assert served["a"]["requests"] == len(a_ids) and served["b"]["requests"] == len(b_ids)
+
+
+@pytest.mark.timeout(180)
+async def test_a_burst_worker_in_fair_mode_serves_the_whole_queue_then_exits(
+    harness: Harness, tiny_dir: Path
+) -> None:
+    """`--burst` in fair mode, end to end: requests published before the worker starts
+    wait in the request queue, not in any lane, and every one is served (through the
+    router, then the lanes) before the worker exits, with status 0. (That burst mode
+    also waits for what the router still holds is tests/unit/test_lane_intake.py's.)"""
+    h = harness
+    ids = [f"burst-{uuid.uuid4().hex[:6]}-{i}" for i in range(30)]
+    handles = [
+        await h.client.submit(
+            prompt_token_ids=[5, 6, 7, 8 + i],
+            id=rid,
+            max_tokens=4,
+            ignore_eos=True,
+            client="a" if i % 3 else "b",
+        )
+        for i, rid in enumerate(ids)
+    ]
+    w = h.start(
+        "burst",
+        model=tiny_dir,
+        max_num_seqs=4,
+        extra=["--policy", "fair", "--client-weights", "a=1,b=1", "--burst"],
+    )
+
+    async def exited() -> bool:
+        return not w.alive()
+
+    await eventually(exited, "the burst worker to exit", timeout=150, every=0.2)
+    assert w.proc.returncode == 0, w.tail()
+    finals = [await handle.result(timeout=10) for handle in handles]
+    assert [f["id"] for f in finals] == ids
+    rows = await h.rows(ids)
+    assert sorted(rows) == sorted(ids)
+    assert {r["status"] for r in rows.values()} == {"completed"}
+    assert Counter(r["client"] for r in rows.values()) == {"a": 20, "b": 10}

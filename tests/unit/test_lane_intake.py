@@ -154,6 +154,7 @@ def lane_intake(
     engine: FakeEngine | None = None,
     metrics: Metrics | None = None,
     burst: bool = False,
+    upstream_drained: Any = None,
 ) -> tuple[LaneIntake, DrainState]:
     """A lane intake on `broker`, serving (its drain state resumed); spare credits are
     never given back (its clock stands still)."""
@@ -171,6 +172,7 @@ def lane_intake(
         poll_max_s=0.01,
         burst=burst,
         clock=lambda: 0.0,
+        upstream_drained=upstream_drained,
     )
     return intake, drain
 
@@ -265,6 +267,38 @@ async def test_burst_mode_ends_once_every_lane_is_empty_and_all_is_settled() -> 
     (await broker.declare_queue("q.client.a", passive=True)).publish(9)
     await asyncio.wait_for(intake.run(), 10)
     assert sorted(tag for what, tag in events if what == "ack") == list(range(9))
+    assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
+
+
+async def test_burst_mode_waits_for_what_is_still_upstream_of_the_lanes() -> None:
+    """Fair mode's router may still hold requests on their way into the lanes, or have
+    them in the request queue: burst mode ends only once it has none left either."""
+    events: list[Any] = []
+    broker = Broker(events)
+
+    async def deliver(message: Any, admitted: Any) -> None:
+        await message.ack()
+
+    upstream = 5  # requests not routed yet: one is moved into lane a per look
+    looks = 0
+
+    async def drained() -> bool:
+        nonlocal upstream, looks
+        looks += 1
+        if not upstream:
+            return True
+        upstream -= 1
+        lane.publish(1)
+        return False
+
+    intake, _ = lane_intake(
+        broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True, upstream_drained=drained
+    )
+    lane = await broker.declare_queue("q.client.a", passive=True)
+    lane.publish(9)
+    await asyncio.wait_for(intake.run(), 10)
+    assert sorted(tag for what, tag in events if what == "ack") == list(range(14))
+    assert upstream == 0 and looks >= 6
     assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
 
 

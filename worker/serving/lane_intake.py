@@ -11,7 +11,9 @@ module only adds consumers to a lane and cancels them (the mechanism), at step
 boundaries and deliveries. A cancelled credit that holds a message keeps it until it is
 settled; its place in the window is given to another lane only then. Without KV room
 for the waiting prompts no lane gains credits (messages come only in place of requests
-that left); a drain cancels every credit.
+that left); a drain cancels every credit. Burst mode ends once every lane is empty,
+nothing is held, and what feeds the lanes (the router: the request queue and the
+messages on their way from it) is empty too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +58,14 @@ class LaneIntake(Intake):
         lanes: Lanes,
         *args: Any,
         clock: Callable[[], float] = time.monotonic,
+        upstream_drained: Callable[[], Awaitable[bool]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.channel = channel
         self.lanes = lanes
         self.clock = clock
+        self.upstream_drained = upstream_drained  # burst mode: nothing left to feed the lanes
         self._queues: dict[str, AbstractQueue] = {}
         self._active: dict[str, list[Credit]] = {c: [] for c in lanes.lanes}
         self._leaving: set[Credit] = set()  # cancelled, still holding a message
@@ -200,7 +204,7 @@ class LaneIntake(Intake):
 
     async def _lanes_are_empty(self) -> bool:
         """Burst mode: nothing left in any lane (a basic.get each; what one finds is
-        held, outside the credits)."""
+        held, outside the credits), then nothing left upstream of them."""
         for queue in self._queues.values():
             try:
                 message = await queue.get(no_ack=False, fail=False, timeout=10)
@@ -210,4 +214,10 @@ class LaneIntake(Intake):
             if message is not None:
                 await self._delivered(message)
                 return False
-        return True
+        if self.upstream_drained is None:
+            return True
+        try:
+            return await self.upstream_drained()
+        except Exception as e:
+            log.warning("look into the request queue failed (%r); retrying", e)
+            return False

@@ -55,6 +55,7 @@ class Router:
         self.topology = topology
         self.lanes = lanes
         self.routed = 0
+        self._in_flight = 0  # messages taken from the source, not yet settled there
         self._requeuers: dict[str, Requeuer] = {}
         self._tag: str | None = None
         self.acker = Acker()  # the source's acks, in runs (broker/acks.py)
@@ -74,7 +75,25 @@ class Router:
             self._tag = None
         await self.acker.flush()
 
+    async def drained(self) -> bool:
+        """Burst mode: nothing is being routed and the request queue is empty (a
+        basic.get: a message it finds is routed, and the answer is False)."""
+        if self._in_flight:
+            return False
+        message = await self.source.get(no_ack=False, fail=False, timeout=10)
+        if message is None:
+            return not self._in_flight
+        await self._route(message)
+        return False
+
     async def _route(self, message: AbstractIncomingMessage) -> None:
+        self._in_flight += 1
+        try:
+            await self._route_one(message)
+        finally:
+            self._in_flight -= 1
+
+    async def _route_one(self, message: AbstractIncomingMessage) -> None:
         client = client_of(_body_client(message.body), message.app_id)
         lane = self.lanes.lane_of(client)
         error: Exception | None = None

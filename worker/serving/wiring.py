@@ -119,7 +119,14 @@ async def wire(w: Wiring) -> Serving:
     await router.start()
     lane_channel = await w.connection.channel(publisher_confirms=False)
     await lane_channel.set_qos(prefetch_count=1)  # per consumer: one credit, one message
-    intake = LaneIntake(lane_channel, lanes, *parts, poll_max_s=cfg.poll_max_s, burst=cfg.burst)
+    intake = LaneIntake(
+        lane_channel,
+        lanes,
+        *parts,
+        poll_max_s=cfg.poll_max_s,
+        burst=cfg.burst,
+        upstream_drained=router.drained,
+    )
     return Serving(replier, settlement, delivery, intake, acker, lanes, router)
 
 
