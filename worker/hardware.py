@@ -115,7 +115,11 @@ def choose_kv_dtype(
     Measured side by side, 64 sequences of 100-450 tokens: the kernel took 0.52-0.57x
     float32's time on a bfloat16 cache on an AMD EPYC (it is bound by reading the cache
     there) and about the same time on an Intel Xeon with AMX; the default model's greedy
-    pick through a bfloat16 cache agreed with float32's at 320 of 320 positions."""
+    pick through a bfloat16 cache agreed with float32's at 320 of 320 positions. Behind
+    float32 layers (an AMD EPYC with AVX2 only) it is not taken: there a batch-64 decode
+    step's attention took 48-50 ms against float32's 59-71, yet the long-tail workload ran
+    slower end to end (77.0 against 81.9 output tok/s, medians of 4 alternating runs of
+    `ops/bench/engine.py --workload longtail`), greedy agreement 1023 of 1024."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if device != "cpu":
