@@ -302,6 +302,30 @@ async def test_burst_mode_waits_for_what_is_still_upstream_of_the_lanes() -> Non
     assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
 
 
+async def test_a_drained_burst_worker_takes_nothing_from_the_lanes() -> None:
+    """Drained, burst mode does not look into the lanes: a message it took would only go
+    back to its lane, a delivery count each time, until the broker dead-lettered it."""
+    events: list[Any] = []
+    broker = Broker(events)
+
+    async def deliver(message: Any, admitted: Any) -> None:
+        await message.ack()
+
+    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True)
+    (await broker.declare_queue("q.client.a", passive=True)).publish(5)
+    drain.pause()
+    run = asyncio.create_task(intake.run())
+    for _ in range(20):  # the intake's polls come and go; nothing is taken
+        intake.capacity_changed()
+        await settle_down()
+    assert events == [] and not run.done()
+    drain.resume()
+    intake.capacity_changed()
+    await asyncio.wait_for(run, 10)
+    assert sorted(tag for what, tag in events if what == "ack") == list(range(5))
+    assert all(what == "ack" for what, _ in events)
+
+
 @dataclass
 class OneLane:
     """Lane `a` with 20 messages, consumed by a running intake whose requests end only

@@ -91,7 +91,9 @@ class LaneIntake(Intake):
                     log.warning("consume or cancel on a lane failed (%r); retrying", e)
                     await asyncio.sleep(0.5)
                     continue
-                if self.burst and not self._held:
+                # Not while drained: a lane's message taken then would only go back,
+                # spending a delivery count each time.
+                if self.burst and not self._held and not self.drain.paused:
                     if await self._nothing_left(self._lanes_are_empty):
                         log.info("every lane empty and nothing in flight: burst mode ends")
                         return

@@ -80,6 +80,8 @@ class Router:
         basic.get: a message it finds is routed, and the answer is False)."""
         if self._in_flight:
             return False
+        if self._tag is None:  # stopped (a drain): it takes nothing more
+            return True
         message = await self.source.get(no_ack=False, fail=False, timeout=10)
         if message is None:
             return not self._in_flight
