@@ -95,8 +95,10 @@ def free_port() -> int:
 
 @pytest.mark.timeout(150)
 async def test_a_producer_can_submit_but_not_command_workers_and_no_password_leaks(
-    harness: Harness, users: Users, tiny_dir: Path
+    users: Users, harness: Harness, tiny_dir: Path
 ) -> None:
+    # `users` before `harness`: its users are deleted after the harness has stopped the
+    # worker (deleted first, they cut its connection and it stopped without a broker).
     h = harness
     db_password = secrets.token_urlsafe(12)  # trust auth here: sent, never needed
     db_url = make_url(h.db_url).set(password=db_password).render_as_string(hide_password=False)
