@@ -30,7 +30,17 @@ async def open_channel(channel: AbstractChannel) -> aiormq.Channel:
     """
     ready = getattr(channel, "ready", None)  # robust channels only
     if ready is not None and channel.is_closed:
-        await asyncio.wait_for(ready(), RESTORE_WAIT_S)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESTORE_WAIT_S
+        # The AMQP channel is marked closed a few callbacks before aio-pika marks the
+        # robust one as being restored: `ready()` may return while it is still closed.
+        while channel.is_closed:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"channel not restored within {RESTORE_WAIT_S:.0f} s")
+            await asyncio.wait_for(ready(), left)
+            if channel.is_closed:
+                await asyncio.sleep(min(0.05, left))
     return cast(aiormq.Channel, await channel.get_underlay_channel())
 
 

@@ -264,16 +264,17 @@ async def test_publishes_during_a_reconnect_wait_for_their_channel(
         request = await _poll(lambda: declared.queue.get(fail=False))
         assert await replier.publish(replies.name, "before", b"\x80")
 
-        await proxy.down()  # the connection and its channels are cut
-        await proxy.up()
+        await proxy.down()  # the connection and its channels are cut, and stay cut
 
         async def cut() -> bool:
             return channel.is_closed
 
         await eventually(cut, "the client to see its channel closed")
-        sent = await asyncio.gather(
+        sending = asyncio.gather(
             replier.publish(replies.name, "during", b"\x81"), requeuer.republish(request, {})
         )
+        await proxy.up()  # the connection comes back, then its channels one by one
+        sent = await asyncio.wait_for(sending, 60)
         assert sent[0] is True and not channel.is_closed
         got = [await _poll(lambda: replies.get(fail=False, no_ack=True)) for _ in range(2)]
         assert [m.correlation_id for m in got] == ["before", "during"]

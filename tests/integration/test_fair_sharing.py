@@ -181,7 +181,8 @@ async def test_a_burst_worker_in_fair_mode_serves_the_whole_queue_then_exits(
     """`--burst` in fair mode, end to end: requests published before the worker starts
     wait in the request queue, not in any lane, and every one is served (through the
     router, then the lanes) before the worker exits, with status 0. (That burst mode
-    also waits for what the router still holds is tests/unit/test_lane_intake.py's.)"""
+    also waits for what the router still holds is tests/unit/test_lane_intake.py's and
+    tests/unit/test_router.py's.)"""
     h = harness
     ids = [f"burst-{uuid.uuid4().hex[:6]}-{i}" for i in range(30)]
     handles = [

@@ -205,8 +205,16 @@ class LaneIntake(Intake):
         self._capacity_changed.set()  # a lane whose credits are all in use may get more
 
     async def _lanes_are_empty(self) -> bool:
-        """Burst mode: nothing left in any lane (a basic.get each; what one finds is
-        held, outside the credits), then nothing left upstream of them."""
+        """Burst mode: nothing left upstream of the lanes, then nothing left in any lane
+        (a basic.get each; what one finds is held, outside the credits). Upstream first:
+        a message on its way into a lane during the lanes' looks is counted there."""
+        if self.upstream_drained is not None:
+            try:
+                if not await self.upstream_drained():
+                    return False
+            except Exception as e:
+                log.warning("look into the request queue failed (%r); retrying", e)
+                return False
         for queue in self._queues.values():
             try:
                 message = await queue.get(no_ack=False, fail=False, timeout=10)
@@ -216,10 +224,4 @@ class LaneIntake(Intake):
             if message is not None:
                 await self._delivered(message)
                 return False
-        if self.upstream_drained is None:
-            return True
-        try:
-            return await self.upstream_drained()
-        except Exception as e:
-            log.warning("look into the request queue failed (%r); retrying", e)
-            return False
+        return True

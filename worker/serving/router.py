@@ -55,7 +55,10 @@ class Router:
         self.topology = topology
         self.lanes = lanes
         self.routed = 0
-        self._in_flight = 0  # messages taken from the source, not yet settled there
+        self._taken = 0  # messages taken from the source, ever
+        self._in_flight = 0  # of those, not yet routed or given back
+        self._quiet_since: int | None = None  # `_taken` at the last empty look (burst mode)
+        self._tasks: set[asyncio.Task[None]] = set()  # routes started by a look
         self._requeuers: dict[str, Requeuer] = {}
         self._tag: str | None = None
         self.acker = Acker()  # the source's acks, in runs (broker/acks.py)
@@ -76,19 +79,29 @@ class Router:
         await self.acker.flush()
 
     async def drained(self) -> bool:
-        """Burst mode: nothing is being routed and the request queue is empty (a
-        basic.get: a message it finds is routed, and the answer is False)."""
-        if self._in_flight:
-            return False
+        """Burst mode: the request queue was found empty twice in a row, with nothing
+        taken from it in between and nothing on its way into a lane. A look is a
+        basic.get: a message it finds is routed (in a task of its own, as a delivery
+        is), and the answer is False. Two looks, because a delivery already pushed to
+        the consumer is out of the queue a few event-loop turns before it is counted."""
         if self._tag is None:  # stopped (a drain): it takes nothing more
-            return True
-        message = await self.source.get(no_ack=False, fail=False, timeout=10)
-        if message is None:
             return not self._in_flight
-        await self._route(message)
-        return False
+        if self._in_flight:
+            self._quiet_since = None
+            return False
+        message = await self.source.get(no_ack=False, fail=False, timeout=10)
+        if message is not None:
+            self._quiet_since = None
+            task = asyncio.create_task(self._route(message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return False
+        quiet = self._quiet_since == self._taken and not self._in_flight
+        self._quiet_since = self._taken
+        return quiet
 
     async def _route(self, message: AbstractIncomingMessage) -> None:
+        self._taken += 1
         self._in_flight += 1
         try:
             await self._route_one(message)
