@@ -42,10 +42,11 @@ from broker.messages import CONTENT_TYPE, decode_reply
 from broker.topology import Topology
 from tests.integration.helpers import eventually
 from worker.admin.queues import queue_counts
+from worker.config import parse_weights
 from worker.ledger.migrate import open_engine
 from worker.ledger.tables import requests as requests_table
 from worker.ledger.tables import workers as workers_table
-from worker.serving.lanes import OTHER, lane_queue
+from worker.serving.lanes import Lanes
 
 REPO = Path(__file__).resolve().parents[2]
 LOOKAHEAD = 2
@@ -175,9 +176,8 @@ def lane_queues(queue: str, args: Sequence[str]) -> set[str]:
     """Fair mode's lanes for a worker started with `args` (none without --client-weights)."""
     if "--client-weights" not in args:
         return set()
-    weights = args[list(args).index("--client-weights") + 1]
-    clients = {pair.split("=")[0] for pair in weights.split(",")} | {OTHER}
-    return {lane_queue(queue, c) for c in clients}
+    weights = parse_weights(args[list(args).index("--client-weights") + 1])
+    return set(Lanes(queue, dict(weights)).queues)
 
 
 # -- the harness: queues, ledger, client, workers --

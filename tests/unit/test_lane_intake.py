@@ -256,29 +256,46 @@ async def test_credits_bound_what_is_held_and_a_newcomer_gets_its_share() -> Non
     await asyncio.wait_for(run, 10)
 
 
-async def test_burst_mode_ends_once_every_lane_is_empty_and_all_is_settled() -> None:
+@dataclass
+class Burst:
+    """A burst-mode intake on lane `a` whose requests are acked as soon as delivered."""
+
+    events: list[Any]
+    broker: Broker
+    intake: LaneIntake
+    drain: DrainState
+    lane: FakeLane
+
+
+async def burst_intake(upstream_drained: Any = None) -> Burst:
     events: list[Any] = []
     broker = Broker(events)
 
     async def deliver(message: Any, admitted: Any) -> None:
         await message.ack()
 
-    intake, _ = lane_intake(broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True)
-    (await broker.declare_queue("q.client.a", passive=True)).publish(9)
-    await asyncio.wait_for(intake.run(), 10)
-    assert sorted(tag for what, tag in events if what == "ack") == list(range(9))
-    assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
+    intake, drain = lane_intake(
+        broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True, upstream_drained=upstream_drained
+    )
+    lane = await broker.declare_queue("q.client.a", passive=True)
+    return Burst(events, broker, intake, drain, lane)
+
+
+def acked(events: list[Any]) -> list[int]:
+    return sorted(tag for what, tag in events if what == "ack")
+
+
+async def test_burst_mode_ends_once_every_lane_is_empty_and_all_is_settled() -> None:
+    b = await burst_intake()
+    b.lane.publish(9)
+    await asyncio.wait_for(b.intake.run(), 10)
+    assert acked(b.events) == list(range(9))
+    assert b.broker.unsettled == 0 and b.broker.consumers("q.client.a") == 0
 
 
 async def test_burst_mode_waits_for_what_is_still_upstream_of_the_lanes() -> None:
     """Fair mode's router may still hold requests on their way into the lanes, or have
     them in the request queue: burst mode ends only once it has none left either."""
-    events: list[Any] = []
-    broker = Broker(events)
-
-    async def deliver(message: Any, admitted: Any) -> None:
-        await message.ack()
-
     upstream = 5  # requests not routed yet: one is moved into lane a per look
     looks = 0
 
@@ -288,41 +305,33 @@ async def test_burst_mode_waits_for_what_is_still_upstream_of_the_lanes() -> Non
         if not upstream:
             return True
         upstream -= 1
-        lane.publish(1)
+        b.lane.publish(1)
         return False
 
-    intake, _ = lane_intake(
-        broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True, upstream_drained=drained
-    )
-    lane = await broker.declare_queue("q.client.a", passive=True)
-    lane.publish(9)
-    await asyncio.wait_for(intake.run(), 10)
-    assert sorted(tag for what, tag in events if what == "ack") == list(range(14))
+    b = await burst_intake(upstream_drained=drained)
+    b.lane.publish(9)
+    await asyncio.wait_for(b.intake.run(), 10)
+    assert acked(b.events) == list(range(14))
     assert upstream == 0 and looks >= 6
-    assert broker.unsettled == 0 and broker.consumers("q.client.a") == 0
+    assert b.broker.unsettled == 0 and b.broker.consumers("q.client.a") == 0
 
 
 async def test_a_drained_burst_worker_takes_nothing_from_the_lanes() -> None:
     """Drained, burst mode does not look into the lanes: a message it took would only go
     back to its lane, a delivery count each time, until the broker dead-lettered it."""
-    events: list[Any] = []
-    broker = Broker(events)
-
-    async def deliver(message: Any, admitted: Any) -> None:
-        await message.ack()
-
-    intake, drain = lane_intake(broker, Lanes("q", {"a": 1.0}), 4, deliver, burst=True)
-    (await broker.declare_queue("q.client.a", passive=True)).publish(5)
-    drain.pause()
+    b = await burst_intake()
+    intake, events = b.intake, b.events
+    b.lane.publish(5)
+    b.drain.pause()
     run = asyncio.create_task(intake.run())
     for _ in range(20):  # the intake's polls come and go; nothing is taken
         intake.capacity_changed()
         await settle_down()
     assert events == [] and not run.done()
-    drain.resume()
+    b.drain.resume()
     intake.capacity_changed()
     await asyncio.wait_for(run, 10)
-    assert sorted(tag for what, tag in events if what == "ack") == list(range(5))
+    assert acked(events) == list(range(5))
     assert all(what == "ack" for what, _ in events)
 
 

@@ -94,7 +94,8 @@ def load_model(
     net.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings).to(dev, act_dtype)
     narrow = dev.type == "cpu" and cfg.hidden_size >= NARROW_HEAD_MIN_HIDDEN
     head = DTYPES[head_dtype] if head_dtype is not None else torch_dtype
-    reduce_range = int8_reduce_range(read_cpu_flags())
+    # The CPU's int8 input width, read only where an int8 layer is made.
+    reduce_range = torch.qint8 in (torch_dtype, head) and int8_reduce_range(read_cpu_flags())
     if torch_dtype == torch.qint8:
         _quantize_decoder(net, reduce_range)
     if narrow:
