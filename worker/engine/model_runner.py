@@ -110,6 +110,9 @@ class ModelRunner:
             (self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(mcfg.num_layers)
         ]
         self.workspace = Workspace(self.device, self.kv_dtype)
+        # The layer's per-token ops in C where the attention kernel is (the same library),
+        # for a float32 residual stream (what those kernels take).
+        self.layer_ops = self.native if act_dtype == torch.float32 else None
         # CPU: a step of one or two tokens runs no faster on several OpenMP threads, but
         # the idle ones spin between kernels and take a core from the event loop, the
         # broker and the database sharing the machine; such steps run on one thread.
@@ -257,6 +260,7 @@ class ModelRunner:
             decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
             in_place=self._in_place(singles) if self.native is not None and singles else None,
+            layer_ops=self.layer_ops,
             block_size=bs,
             workspace=self.workspace,
         )

@@ -106,6 +106,24 @@ class AttentionMetadata:
     in_place: InPlaceDecode | None
     block_size: int
     workspace: Workspace
+    # CPU with float32 activations: the layer's per-token ops (norms, rotary + K/V
+    # store) run as C kernels (worker.model.native), one call each
+    layer_ops: NativeKernels | None = None
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Write this step's K/V into their cache slots."""
+    # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is. The
+    # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
+    # stream on CPU): values are rounded as they are stored, and widened where read.
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
 
 def paged_attention(
@@ -117,17 +135,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Store this step's K/V in the cache and attend; returns [T, H, D]."""
+    """Attend over the cache, this step's K/V already stored; returns [T, H, D]."""
     _, H, D = q.shape
-    kvh = k.shape[1]
+    kvh = k_cache.shape[1]
     group = H // kvh
-    # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is. The
-    # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
-    # stream on CPU): values are rounded as they are stored, and widened where read.
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
-
-    out = torch.empty_like(q)
+    out = torch.empty((q.shape[0], H, D), dtype=q.dtype, device=q.device)
     run_elems = meta.block_size * D  # one head's keys in one block
     k_runs = k_cache.view(-1, run_elems)  # [num_blocks * KVH, block_size * D]
     v_runs = v_cache.view(-1, run_elems)

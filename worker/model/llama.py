@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.attention import AttentionMetadata, paged_attention, store_kv
 from worker.model.candidates import top_candidates
 from worker.model.config import ModelConfig
+from worker.model.native import NativeKernels
 from worker.model.quant import Int8Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([NB, BS, KVH, D], [NB, BS, KVH, D])
@@ -127,13 +128,22 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        ops = meta.layer_ops if self.q_norm is None else None
+        if ops is not None:
+            # rotary on q and k in place and the K/V store, in one C pass over the tokens
+            qkv = qkv.contiguous()
+            cos, sin = (t.view(T, -1) for t in rope)
+            ops.rope_store(qkv, cos, sin, meta.slot_mapping, *kv, self.num_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.rotate(q, *rope), Rotary.rotate(k, *rope)
+        if ops is None:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = Rotary.rotate(q, *rope), Rotary.rotate(k, *rope)
+            store_kv(k, v, kv[0], kv[1], meta)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         out: torch.Tensor = self.o_proj(o.view(T, self.q_size))
         return out
@@ -147,9 +157,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: NativeKernels | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        if ops is not None:  # one C pass instead of split, silu and mul
+            out: torch.Tensor = self.down_proj(ops.silu_mul(gate_up.contiguous()))
+            return out
+        gate, up = gate_up.split(self.inter, dim=-1)
+        out = self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -164,8 +178,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        ops = meta.layer_ops
+        if ops is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+            out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+            return out
+        # The same in C kernels: each norm one call, the attention's residual add folded
+        # into the second norm (x += attention output, in place: x is this step's own).
+        eps = self.input_layernorm.eps
+        a = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, eps), rope, kv, meta)
+        h = ops.rms_norm(x, self.post_attention_layernorm.weight, eps, residual=a)
+        out = x + self.mlp(h, ops)
         return out
 
 

@@ -3,7 +3,10 @@
 The paged decode attention kernel (kernels/paged_decode.c) reads each sequence's keys
 and values straight out of the cache blocks; torch has no CPU op for that, and the
 torch path (gather the blocks into a scratch tensor, then two matmuls) copies every
-sequence's whole context once per layer and step. The kernel is plain C with OpenMP,
+sequence's whole context once per layer and step. The layer's small per-token ops
+(kernels/layer_ops.c: RMSNorm, rotary with the store of K/V into the cache, SiLU
+and multiply) are one
+call each instead of a chain of torch ops. The kernels are plain C with OpenMP,
 built with the system's C compiler (`-march=native`: the build is keyed by the CPU's
 flags as well as the source) into a cache directory and loaded with ctypes; where no
 compiler is found or the build fails, the caller keeps the torch path and says why.
@@ -24,7 +27,9 @@ import torch
 
 from worker.hardware import read_cpu_flags
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "layer_ops.c")
+)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
@@ -33,7 +38,7 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and ou
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library; `paged_decode` wraps its one entry point."""
+    """The loaded library, one method per entry point."""
 
     lib: ctypes.CDLL
     path: Path
@@ -81,6 +86,83 @@ class NativeKernels:
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
 
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, C] float32, contiguous
+        weight: torch.Tensor,  # [C] float32
+        eps: float,
+        residual: torch.Tensor | None = None,  # [T, C] float32: added into x first
+    ) -> torch.Tensor:
+        """RMSNorm of x's rows ([T, C], new tensor); with `residual`, x += residual first,
+        in place (the residual stream's add and the next norm in one pass)."""
+        _check_rows(x, weight, *([] if residual is None else [residual]))
+        T, C = x.shape
+        out = torch.empty_like(x)
+        if residual is None:
+            self.lib.kvflow_rms_norm(
+                x.data_ptr(), weight.data_ptr(), out.data_ptr(), T, C, ctypes.c_float(eps)
+            )
+        else:
+            self.lib.kvflow_add_rms_norm(
+                x.data_ptr(),
+                residual.data_ptr(),
+                weight.data_ptr(),
+                out.data_ptr(),
+                T,
+                C,
+                ctypes.c_float(eps),
+            )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 I] float32 (gate, then up) -> [T, I]: silu(gate) * up."""
+        _check_rows(gate_up)
+        T, two_i = gate_up.shape
+        out = torch.empty((T, two_i // 2), dtype=gate_up.dtype)
+        self.lib.kvflow_silu_mul(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2)
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] float32, contiguous; rotated in place
+        cos: torch.Tensor,  # [T, D/2] float32, contiguous
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64 cache slots
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
+        v_cache: torch.Tensor,
+        num_heads: int,
+    ) -> None:
+        """Rotary on each token's q and k heads (in place), then its k and v into its slot."""
+        _check_rows(qkv, cos, sin)
+        _, KVH, BS, D = k_cache.shape
+        if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"the C kernel writes a float32 or bfloat16 cache, not {k_cache.dtype}")
+        entry = (
+            self.lib.kvflow_rope_store_bf16
+            if k_cache.dtype == torch.bfloat16
+            else self.lib.kvflow_rope_store_f32
+        )
+        entry(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            qkv.shape[0],
+            num_heads,
+            KVH,
+            D,
+            BS,
+        )
+
+
+def _check_rows(*tensors: torch.Tensor) -> None:
+    """The layer ops read float32 rows straight from memory: anything else is a bug."""
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise TypeError(f"the C layer ops take contiguous float32, not {t.dtype} {t.stride()}")
+
 
 @dataclass(frozen=True)
 class NativeLoad:
@@ -102,18 +184,17 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return NativeLoad(None, f"no C compiler ({cc!r} not found)")
-    source = SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
             [
-                source,
+                *(source.read_bytes() for source in SOURCES),
                 " ".join(CFLAGS + LIBS).encode(),
                 cc.encode(),
                 " ".join(sorted(read_cpu_flags())).encode(),
             ]
         )
     ).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{key}.so"
+    target = cache_dir() / f"kvflow-{key}.so"
     if not target.exists():
         try:
             _build(cc, target)
@@ -127,6 +208,15 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     for fn in (lib.kvflow_paged_decode_f32, lib.kvflow_paged_decode_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.kvflow_rms_norm.restype = None
+    lib.kvflow_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.kvflow_add_rms_norm.restype = None
+    lib.kvflow_add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.kvflow_silu_mul.restype = None
+    lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    for fn in (lib.kvflow_rope_store_f32, lib.kvflow_rope_store_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 
@@ -137,7 +227,7 @@ def _build(cc: str, target: Path) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
+            [cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), *LIBS],
             capture_output=True,
             text=True,
             timeout=120,
