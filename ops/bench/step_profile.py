@@ -6,8 +6,10 @@
 then runs decode-only steps under the torch profiler with the model's linear layers,
 attention and the sampler labelled; what is left of a step is bookkeeping (scheduling,
 inputs, output processing) and the model's other ops (norms, rotary, residual adds).
-`linear_limit` times the same linear layers alone on random inputs of the same batch
-size and dtype: the tokens/s a decode step could reach if nothing else cost anything.
+Between the timed steps it times the same linear layers alone on random inputs of the
+same batch size and dtype: the tokens/s a decode step could reach if nothing else cost
+anything (the best pass is the limit; the share against the median pass compares like
+with like on a machine whose speed drifts).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class StepProfile:
     batch: int
     step_ms: float  # median over steps run without the profiler (wall)
     phases_ms: dict[str, float]  # per step
+    limit_tok_s: float = 0.0  # the linear layers alone: best pass
+    limit_median_tok_s: float = 0.0  # median of the passes run between the timed steps
 
     @property
     def tok_s(self) -> float:
@@ -97,18 +101,24 @@ def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
 
 
 def profile_decode(
-    engine: LLMEngine, batch: int, context: int = 256, steps: int = 8
+    engine: LLMEngine, batch: int, context: int = 256, steps: int = 12, repeats: int = 25
 ) -> StepProfile:
     """`steps` decode-only steps at `batch` sequences of about `context` tokens timed as
-    they run (the median is the step time), then `steps` more under the profiler for the
+    they run (the median is the step time), each followed by one timed pass of the linear
+    layers alone (more passes after, `repeats` in all), so that both see
+    the same moments of a noisy machine; then `steps` more under the profiler for the
     split (the profiler's own cost per op, ~3-27 ms of a batch-64 step here, stays out of
     the step time; it lands in the split's bookkeeping)."""
     _fill(engine, batch, context, 2 * steps)
-    times = []
+    layers = _linear_layers(engine, batch)
+    times, passes = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+        passes.append(_linear_pass(layers))
+    between = statistics.median(passes)
+    passes += [_linear_pass(layers) for _ in range(max(0, repeats - steps))]
     with _labelled(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -133,7 +143,7 @@ def profile_decode(
         "other model ops": max(0.0, forward - (linear - logits) - attention),
         "bookkeeping": max(0.0, profiled - forward - logits - sampling),
     }
-    return StepProfile(batch, wall, phases)
+    return StepProfile(batch, wall, phases, batch / min(passes), batch / between)
 
 
 def _inside_forward_linear(prof: Any, steps: int) -> float:
@@ -154,12 +164,14 @@ def _has_ancestor(event: Any, name: str) -> bool:
     return False
 
 
-def linear_limit(engine: LLMEngine, batch: int, repeats: int = 25) -> float:
-    """Tokens/s of the model's linear layers alone (decoder layers + output projection)
-    on a [batch, in] input in each layer's own dtype (float32 into int8 layers): the best of `repeats` passes (a pass
-    takes tens of ms; on a shared machine five passes left the best 1.8x apart run to run)."""
+Layer = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _linear_layers(engine: LLMEngine, batch: int) -> list[Layer]:
+    """The model's linear layers (decoder layers + output projection), each with a random
+    [batch, in] input in its own dtype (float32 into int8 layers)."""
     model = engine.runner.model
-    layers: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = []
+    layers: list[Layer] = []
     for m in model.modules():
         if isinstance(m, llama_mod.Linear):
             w = m.weight
@@ -173,14 +185,16 @@ def linear_limit(engine: LLMEngine, batch: int, repeats: int = 25) -> float:
         layers.append(
             (torch.randn(batch, head.shape[1], dtype=head.dtype), partial(F.linear, weight=head))
         )
-    best = float("inf")
+    return layers
+
+
+def _linear_pass(layers: list[Layer]) -> float:
+    """Seconds for one pass of the linear layers alone."""
     with torch.inference_mode():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for x, fn in layers:
-                fn(x)
-            best = min(best, time.perf_counter() - t0)
-    return batch / best
+        t0 = time.perf_counter()
+        for x, fn in layers:
+            fn(x)
+        return time.perf_counter() - t0
 
 
 def run(
@@ -191,19 +205,22 @@ def run(
     for b in batches:
         if progress is not None:
             progress(f"profiling decode at batch {b}")
-        out.append((profile_decode(engine, b), linear_limit(engine, b)))
+        prof = profile_decode(engine, b)
+        out.append((prof, prof.limit_tok_s))
     return out
 
 
 def table(rows: list[tuple[StepProfile, float]], dtype: str) -> str:
     head = "| batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
     head += f" | linear-layer limit tok/s ({dtype}) | share of limit |"
-    lines = [head, "|" + "---|" * (len(PHASES) + 5)]
+    head += " share of the limit's median pass |"
+    lines = [head, "|" + "---|" * (len(PHASES) + 6)]
     for p, limit in rows:
         cells = " | ".join(f"{p.phases_ms[k]:.1f}" for k in PHASES)
+        between = f"{p.tok_s / p.limit_median_tok_s:.0%}" if p.limit_median_tok_s else "-"
         lines.append(
             f"| {p.batch} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {limit:.0f} | "
-            f"{p.tok_s / limit:.0%} |"
+            f"{p.tok_s / limit:.0%} | {between} |"
         )
     return "\n".join(lines)
 

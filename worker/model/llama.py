@@ -47,19 +47,30 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        return self.matmul(self.narrow_input(x))[: x.shape[0]].to(x.dtype)
+
+    def rows_for(self, rows: int) -> int:
+        """The row count this layer's matmul takes for `rows` rows of input."""
+        return rows if self.weight.dtype == torch.float32 else padded_rows(rows)
+
+    def narrow_input(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows_for(rows), in] in the weights' dtype, the padding zeroed."""
         w = self.weight
-        if x.dtype == w.dtype or x.dim() != 2:
-            return F.linear(x, w, self.bias)
-        rows, padded = x.shape[0], padded_rows(x.shape[0])
+        rows, padded = x.shape[0], self.rows_for(x.shape[0])
         if padded == rows:
-            xp = x.to(w.dtype)  # [R, in]
-        else:
-            # Cast into a fresh buffer and zero only the padding (new_zeros then a copy
-            # wrote every row twice: 5-8% of the linear layers' time at batch 16-64).
-            xp = torch.empty((padded, x.shape[1]), dtype=w.dtype, device=x.device)  # [R', in]
-            xp[:rows] = x
-            xp[rows:].zero_()
-        return F.linear(xp, w, self.bias)[:rows].to(x.dtype)
+            return x.to(w.dtype)  # [R, in]
+        # Cast into a fresh buffer and zero only the padding (new_zeros then a copy
+        # wrote every row twice: 5-8% of the linear layers' time at batch 16-64).
+        xp = torch.empty((padded, x.shape[1]), dtype=w.dtype, device=x.device)  # [R', in]
+        xp[:rows] = x
+        xp[rows:].zero_()
+        return xp
+
+    def matmul(self, xp: torch.Tensor) -> torch.Tensor:
+        """[R, in] already in the weights' dtype with `rows_for` rows -> [R, out], same dtype."""
+        return F.linear(xp, self.weight, self.bias)
 
 
 def padded_rows(rows: int) -> int:
@@ -128,25 +139,36 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
-        ops = meta.layer_ops if self.q_norm is None else None
-        if ops is not None:
-            # rotary on q and k in place and the K/V store, in one C pass over the tokens
-            qkv = qkv.contiguous()
-            cos, sin = (t.view(T, -1) for t in rope)
-            ops.rope_store(qkv, cos, sin, meta.slot_mapping, *kv, self.num_heads)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if ops is None:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = Rotary.rotate(q, *rope), Rotary.rotate(k, *rope)
-            store_kv(k, v, kv[0], kv[1], meta)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = Rotary.rotate(q, *rope), Rotary.rotate(k, *rope)
+        store_kv(k, v, kv[0], kv[1], meta)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         out: torch.Tensor = self.o_proj(o.view(T, self.q_size))
         return out
+
+    def forward_ops(
+        self, h: torch.Tensor, T: int, rope: Rope, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward` through the C layer ops: h [R, C] normed rows in the linear layers'
+        dtype (R = qkv_proj.rows_for(T)) -> [R, C] o_proj output in that dtype."""
+        assert meta.layer_ops is not None and isinstance(self.qkv_proj, Linear)
+        assert isinstance(self.o_proj, Linear)
+        cos, sin = (t.view(T, -1) for t in rope)  # [T, D/2]
+        # rotary on q and k, the K/V store and the widening to float32 in one pass
+        qkv = meta.layer_ops.rope_store(
+            self.qkv_proj.matmul(h), cos, sin, meta.slot_mapping, *kv, self.num_heads
+        )  # [T, (H + 2 KVH) * D] float32
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D] float32
+        return self.o_proj.matmul(self.o_proj.narrow_input(o.view(T, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -157,14 +179,17 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: NativeKernels | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        if ops is not None:  # one C pass instead of split, silu and mul
-            out: torch.Tensor = self.down_proj(ops.silu_mul(gate_up.contiguous()))
-            return out
-        gate, up = gate_up.split(self.inter, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
+
+    def forward_ops(self, h: torch.Tensor, ops: NativeKernels) -> torch.Tensor:
+        """`forward` with SiLU and multiply as one C pass; h [R, C] in the linear layers'
+        dtype, rows as `rows_for` gives them -> [R, C] in that dtype."""
+        assert isinstance(self.gate_up_proj, Linear) and isinstance(self.down_proj, Linear)
+        gate_up = self.gate_up_proj.matmul(h)  # [R, 2 * I]
+        return self.down_proj.matmul(ops.silu_mul(gate_up, gate_up.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -174,22 +199,45 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self._takes_layer_ops: bool | None = None
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         ops = meta.layer_ops
-        if ops is None:
+        if ops is None or not self.takes_layer_ops:
             x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
             out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
             return out
-        # The same in C kernels: each norm one call, the attention's residual add folded
-        # into the second norm (x += attention output, in place: x is this step's own).
-        eps = self.input_layernorm.eps
-        a = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, eps), rope, kv, meta)
-        h = ops.rms_norm(x, self.post_attention_layernorm.weight, eps, residual=a)
-        out = x + self.mlp(h, ops)
+        # The same through the C layer ops. Between them the rows stay in the linear
+        # layers' dtype, padded as their matmuls take them (the casts to and from the
+        # float32 residual stream happen inside the ops); the attention's residual add
+        # is folded into the second norm (x += attention output, in place: x is this
+        # step's own).
+        T, eps = x.shape[0], self.input_layernorm.eps
+        dtype = self.mlp.down_proj.weight.dtype
+        rows = self.self_attn.qkv_proj.rows_for(T)
+        h = ops.rms_norm(x, self.input_layernorm.weight, eps, out_dtype=dtype, rows=rows)
+        a = self.self_attn.forward_ops(h, T, rope, kv, meta)  # [R, C]
+        w2 = self.post_attention_layernorm.weight
+        h = ops.rms_norm(x, w2, eps, residual=a, out_dtype=dtype, rows=rows)
+        out = x + self.mlp.forward_ops(h, ops)[:T]  # float32 + the linear layers' dtype
         return out
+
+    @property
+    def takes_layer_ops(self) -> bool:
+        """Whether the C layer ops apply: plain Linear layers (not int8 ones) of one dtype,
+        no q/k norm (it comes between the projection and the rotary). Settled at the first
+        forward pass, once the loader has cast or swapped the layers."""
+        if self._takes_layer_ops is None:
+            attn, mlp = self.self_attn, self.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self._takes_layer_ops = (
+                attn.q_norm is None
+                and all(isinstance(m, Linear) for m in linears)
+                and len({m.weight.dtype for m in linears}) == 1
+            )
+        return self._takes_layer_ops
 
 
 class LlamaForCausalLM(nn.Module):

@@ -91,77 +91,96 @@ class NativeKernels:
         x: torch.Tensor,  # [T, C] float32, contiguous
         weight: torch.Tensor,  # [C] float32
         eps: float,
-        residual: torch.Tensor | None = None,  # [T, C] float32: added into x first
+        residual: torch.Tensor | None = None,  # [>= T, C] float32 or bfloat16
+        out_dtype: torch.dtype = torch.float32,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """RMSNorm of x's rows ([T, C], new tensor); with `residual`, x += residual first,
-        in place (the residual stream's add and the next norm in one pass)."""
-        _check_rows(x, weight, *([] if residual is None else [residual]))
+        """RMSNorm of x's rows -> [rows (default T), C] in `out_dtype`, the rows past T
+        zeroed; with `residual`, x += residual[:T] first, in place (the residual stream's
+        add and the next norm in one pass)."""
+        _check_rows(x, weight, float32_only=True)
         T, C = x.shape
-        out = torch.empty_like(x)
-        if residual is None:
-            self.lib.kvflow_rms_norm(
-                x.data_ptr(), weight.data_ptr(), out.data_ptr(), T, C, ctypes.c_float(eps)
-            )
-        else:
-            self.lib.kvflow_add_rms_norm(
-                x.data_ptr(),
-                residual.data_ptr(),
-                weight.data_ptr(),
-                out.data_ptr(),
-                T,
-                C,
-                ctypes.c_float(eps),
-            )
+        out = torch.empty((rows or T, C), dtype=out_dtype)
+        _check_rows(out, *([] if residual is None else [residual]))
+        self.lib.kvflow_rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            T,
+            out.shape[0],
+            C,
+            ctypes.c_float(eps),
+            residual is not None and residual.dtype == torch.bfloat16,
+            out_dtype == torch.bfloat16,
+        )
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2 I] float32 (gate, then up) -> [T, I]: silu(gate) * up."""
-        _check_rows(gate_up)
-        T, two_i = gate_up.shape
-        out = torch.empty((T, two_i // 2), dtype=gate_up.dtype)
-        self.lib.kvflow_silu_mul(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2)
+    def silu_mul(
+        self, gate_up: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """[R, 2 I] (gate, then up) -> [R, I] in `out_dtype`: silu(gate) * up."""
+        R, two_i = gate_up.shape
+        out = torch.empty((R, two_i // 2), dtype=out_dtype)
+        _check_rows(gate_up, out)
+        self.lib.kvflow_silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            R,
+            R,
+            two_i // 2,
+            gate_up.dtype == torch.bfloat16,
+            out_dtype == torch.bfloat16,
+        )
         return out
 
     def rope_store(
         self,
-        qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] float32, contiguous; rotated in place
+        qkv: torch.Tensor,  # [>= T, (H + 2 KVH) * D] float32 or bfloat16, contiguous
         cos: torch.Tensor,  # [T, D/2] float32, contiguous
         sin: torch.Tensor,
         slots: torch.Tensor,  # [T] int64 cache slots
         k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
         v_cache: torch.Tensor,
         num_heads: int,
-    ) -> None:
-        """Rotary on each token's q and k heads (in place), then its k and v into its slot."""
-        _check_rows(qkv, cos, sin)
+    ) -> torch.Tensor:
+        """The first T rows of qkv in float32 with rotary applied to q and k ([T, width],
+        new tensor); each token's k and v into its cache slot."""
+        _check_rows(qkv)
+        _check_rows(cos, sin, float32_only=True)
         _, KVH, BS, D = k_cache.shape
         if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
             raise TypeError(f"the C kernel writes a float32 or bfloat16 cache, not {k_cache.dtype}")
-        entry = (
-            self.lib.kvflow_rope_store_bf16
-            if k_cache.dtype == torch.bfloat16
-            else self.lib.kvflow_rope_store_f32
-        )
-        entry(
+        T = cos.shape[0]
+        out = torch.empty((T, qkv.shape[1]), dtype=torch.float32)
+        self.lib.kvflow_rope_store(
             qkv.data_ptr(),
+            out.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            qkv.shape[0],
+            T,
             num_heads,
             KVH,
             D,
             BS,
+            qkv.dtype == torch.bfloat16,
+            k_cache.dtype == torch.bfloat16,
         )
+        return out
 
 
-def _check_rows(*tensors: torch.Tensor) -> None:
-    """The layer ops read float32 rows straight from memory: anything else is a bug."""
+def _check_rows(*tensors: torch.Tensor, float32_only: bool = False) -> None:
+    """The layer ops read rows straight from memory: anything but contiguous float32 (or
+    bfloat16 where allowed) is a bug."""
+    allowed = (torch.float32,) if float32_only else KV_DTYPES
     for t in tensors:
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise TypeError(f"the C layer ops take contiguous float32, not {t.dtype} {t.stride()}")
+        if t.dtype not in allowed or not t.is_contiguous():
+            raise TypeError(
+                f"the C layer ops take contiguous {allowed}, not {t.dtype} {t.stride()}"
+            )
 
 
 @dataclass(frozen=True)
@@ -209,14 +228,13 @@ def load_native(compiler: str | None = None) -> NativeLoad:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.kvflow_rms_norm.restype = None
-    lib.kvflow_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
-    lib.kvflow_add_rms_norm.restype = None
-    lib.kvflow_add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.kvflow_rms_norm.argtypes = (
+        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
+    )
     lib.kvflow_silu_mul.restype = None
-    lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
-    for fn in (lib.kvflow_rope_store_f32, lib.kvflow_rope_store_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5
+    lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
+    lib.kvflow_rope_store.restype = None
+    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

@@ -3,22 +3,26 @@
  * In torch each of these is a chain of elementwise ops (RMSNorm: 7, rotary on q and k
  * plus the store of K/V into the cache by advanced indexing: ~20), each with its own
  * dispatch and a pass over the data; at decode batch sizes the data is a few hundred KB,
- * so the chain costs its dispatches, not its arithmetic. Here each is one call.
+ * so the chain costs its dispatches, not its arithmetic. Here each is one call, and each
+ * reads and writes the dtype of the linear layer beside it: with bfloat16 linear layers
+ * the casts from and to the float32 residual stream are folded into the ops (a linear
+ * layer's bfloat16 output widened to float32 carries no more than it did).
  *
- *   kvflow_rms_norm          out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps)
- *   kvflow_add_rms_norm      x[t] += delta[t], then out[t] as above (vLLM's fused_add_rms_norm)
- *   kvflow_silu_mul          out[t] = silu(gate[t]) * up[t], gate and up the halves of a row
- *   kvflow_rope_store_f32    rotary ('rotate half' layout) on the q and k of each token in
- *   kvflow_rope_store_bf16   place, then the token's k and v into its cache slot; the cache
- *                            float32 or bfloat16 (rounded to nearest even, as torch rounds)
+ *   kvflow_rms_norm       out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps)
+ *   kvflow_add_rms_norm   x[t] += delta[t], then out[t] as above (vLLM's fused_add_rms_norm)
+ *   kvflow_silu_mul       out[t] = silu(gate[t]) * up[t], gate and up the halves of a row
+ *   kvflow_rope_store     out[t] = the token's q, k and v, q and k rotated ('rotate half'
+ *                         layout), in float32; the token's k and v into its cache slot
  *
- * Shapes (contiguous, float32 unless said):
- *   x, out, delta    [T, C]          w [C]
- *   gate_up          [T, 2 I]        (out [T, I])
- *   qkv              [T, (H + 2 KVH) D]: q heads, then k heads, then v heads
- *   cos, sin         [T, D / 2]      (the token's position's angles)
- *   slots            [T] int64       (block * BS + offset)
- *   k_cache, v_cache [NB, KVH, BS, D]
+ * Shapes (rows contiguous):
+ *   x [T, C] float32, w [C] float32, delta [T, C]; out [R, C], R >= T: rows T..R-1 are
+ *   zeroed (the linear layers pad their rows to a few bucket sizes, see llama.Linear)
+ *   gate_up [T, 2 I] (out [R, I])
+ *   qkv [T, (H + 2 KVH) D]: q heads, then k heads, then v heads (out the same, float32)
+ *   cos, sin [T, D / 2] float32 (the token's position's angles)
+ *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D]
+ * The `*_bf16` flags say which of the rows are bfloat16 (else float32); bfloat16 results
+ * are rounded to nearest even, as torch rounds.
  *
  * Threads: OpenMP over tokens where there are enough of them to pay for waking the pool.
  */
@@ -27,44 +31,6 @@
 #include <string.h>
 
 #define PARALLEL_ROWS 256 /* fewer tokens than this run on the calling thread */
-
-static inline void norm_row(const float *restrict x, const float *restrict w,
-                            float *restrict out, int C, float eps) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int c = 0; c < C; c++) ss += x[c] * x[c];
-    const float r = 1.0f / sqrtf(ss / (float)C + eps);
-#pragma omp simd
-    for (int c = 0; c < C; c++) out[c] = w[c] * (x[c] * r);
-}
-
-void kvflow_rms_norm(const float *x, const float *w, float *out, int T, int C, float eps) {
-#pragma omp parallel for if (T >= PARALLEL_ROWS)
-    for (int t = 0; t < T; t++)
-        norm_row(x + (size_t)t * C, w, out + (size_t)t * C, C, eps);
-}
-
-void kvflow_add_rms_norm(float *x, const float *delta, const float *w, float *out, int T, int C,
-                         float eps) {
-#pragma omp parallel for if (T >= PARALLEL_ROWS)
-    for (int t = 0; t < T; t++) {
-        float *xr = x + (size_t)t * C;
-        const float *dr = delta + (size_t)t * C;
-#pragma omp simd
-        for (int c = 0; c < C; c++) xr[c] += dr[c];
-        norm_row(xr, w, out + (size_t)t * C, C, eps);
-    }
-}
-
-void kvflow_silu_mul(const float *gate_up, float *out, int T, int I) {
-#pragma omp parallel for if (T >= PARALLEL_ROWS)
-    for (int t = 0; t < T; t++) {
-        const float *g = gate_up + (size_t)t * 2 * I, *u = g + I;
-        float *o = out + (size_t)t * I;
-#pragma omp simd
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
 
 /* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN) */
 static inline uint16_t to_bf16(float f) {
@@ -75,55 +41,151 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* x [heads, D] rotated in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
-static inline void rotate(float *restrict x, const float *restrict cs, const float *restrict sn,
-                          int heads, int D) {
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Element i of a row of either dtype; bf16 is a literal wherever these are inlined. */
+static inline __attribute__((always_inline)) float load(const void *row, int i, const int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void *row, int i, float v,
+                                                       const int bf16) {
+    if (bf16)
+        ((uint16_t *)row)[i] = to_bf16(v);
+    else
+        ((float *)row)[i] = v;
+}
+
+static inline size_t row_bytes(int n, int bf16) { return (size_t)n * (bf16 ? 2 : 4); }
+
+static inline __attribute__((always_inline)) void
+norm_row(const float *restrict x, const float *restrict w, void *restrict out, int C, float eps,
+         const int out_bf16) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int c = 0; c < C; c++) ss += x[c] * x[c];
+    const float r = 1.0f / sqrtf(ss / (float)C + eps);
+#pragma omp simd
+    for (int c = 0; c < C; c++) store(out, c, w[c] * (x[c] * r), out_bf16);
+}
+
+static inline __attribute__((always_inline)) void
+add_norm(float *x, const void *delta, const float *w, void *out, int T, int C, float eps,
+         const int delta_bf16, const int out_bf16) {
+#pragma omp parallel for if (T >= PARALLEL_ROWS)
+    for (int t = 0; t < T; t++) {
+        float *xr = x + (size_t)t * C;
+        if (delta != NULL) {
+            const char *dr = (const char *)delta + (size_t)t * row_bytes(C, delta_bf16);
+#pragma omp simd
+            for (int c = 0; c < C; c++) xr[c] += load(dr, c, delta_bf16);
+        }
+        norm_row(xr, w, (char *)out + (size_t)t * row_bytes(C, out_bf16), C, eps, out_bf16);
+    }
+}
+
+void kvflow_rms_norm(float *x, const void *delta, const float *w, void *out, int T, int R, int C,
+                     float eps, int delta_bf16, int out_bf16) {
+    if (delta_bf16 && out_bf16)
+        add_norm(x, delta, w, out, T, C, eps, 1, 1);
+    else if (delta_bf16)
+        add_norm(x, delta, w, out, T, C, eps, 1, 0);
+    else if (out_bf16)
+        add_norm(x, delta, w, out, T, C, eps, 0, 1);
+    else
+        add_norm(x, delta, w, out, T, C, eps, 0, 0);
+    memset((char *)out + (size_t)T * row_bytes(C, out_bf16), 0,
+           (size_t)(R - T) * row_bytes(C, out_bf16));
+}
+
+static inline __attribute__((always_inline)) void
+silu_mul(const void *gate_up, void *out, int T, int I, const int in_bf16, const int out_bf16) {
+#pragma omp parallel for if (T >= PARALLEL_ROWS)
+    for (int t = 0; t < T; t++) {
+        const char *g = (const char *)gate_up + (size_t)t * row_bytes(2 * I, in_bf16);
+        const char *u = g + row_bytes(I, in_bf16);
+        char *o = (char *)out + (size_t)t * row_bytes(I, out_bf16);
+#pragma omp simd
+        for (int i = 0; i < I; i++) {
+            const float a = load(g, i, in_bf16);
+            store(o, i, a / (1.0f + expf(-a)) * load(u, i, in_bf16), out_bf16);
+        }
+    }
+}
+
+void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in_bf16,
+                     int out_bf16) {
+    if (in_bf16 && out_bf16)
+        silu_mul(gate_up, out, T, I, 1, 1);
+    else if (in_bf16)
+        silu_mul(gate_up, out, T, I, 1, 0);
+    else if (out_bf16)
+        silu_mul(gate_up, out, T, I, 0, 1);
+    else
+        silu_mul(gate_up, out, T, I, 0, 0);
+    memset((char *)out + (size_t)T * row_bytes(I, out_bf16), 0,
+           (size_t)(R - T) * row_bytes(I, out_bf16));
+}
+
+/* heads [heads, D] of a row of either dtype -> dst [heads, D] float32, rotated:
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
+static inline __attribute__((always_inline)) void
+rotate(const void *src, float *restrict dst, const float *restrict cs, const float *restrict sn,
+       int heads, int D, const int in_bf16) {
     const int half = D / 2;
     for (int h = 0; h < heads; h++) {
-        float *x1 = x + (size_t)h * D, *x2 = x1 + half;
+        const int base = h * D;
+        float *d1 = dst + base, *d2 = d1 + half;
 #pragma omp simd
         for (int i = 0; i < half; i++) {
-            const float a = x1[i], b = x2[i];
-            x1[i] = a * cs[i] - b * sn[i];
-            x2[i] = b * cs[i] + a * sn[i];
+            const float a = load(src, base + i, in_bf16), b = load(src, base + half + i, in_bf16);
+            d1[i] = a * cs[i] - b * sn[i];
+            d2[i] = b * cs[i] + a * sn[i];
         }
     }
 }
 
 static inline __attribute__((always_inline)) void
-rope_store(float *qkv, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-           void *v_cache, int T, int H, int KVH, int D, int BS, const int bf16) {
-    const size_t row = (size_t)(H + 2 * KVH) * D;
+rope_store(const void *qkv, float *out, const float *cos, const float *sin, const int64_t *slots,
+           void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, const int in_bf16,
+           const int cache_bf16) {
+    const int width = (H + 2 * KVH) * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
-        float *q = qkv + (size_t)t * row, *k = q + (size_t)H * D, *v = k + (size_t)KVH * D;
+        const char *row = (const char *)qkv + (size_t)t * row_bytes(width, in_bf16);
+        float *q = out + (size_t)t * width, *k = q + (size_t)H * D, *v = k + (size_t)KVH * D;
         const float *cs = cos + (size_t)t * (D / 2), *sn = sin + (size_t)t * (D / 2);
-        rotate(q, cs, sn, H, D);
-        rotate(k, cs, sn, KVH, D);
+        rotate(row, q, cs, sn, H, D, in_bf16);
+        rotate(row + row_bytes(H * D, in_bf16), k, cs, sn, KVH, D, in_bf16);
+        const char *vsrc = row + row_bytes((H + KVH) * D, in_bf16);
+        for (int i = 0; i < KVH * D; i++) v[i] = load(vsrc, i, in_bf16);
         const int64_t block = slots[t] / BS, off = slots[t] % BS;
         for (int h = 0; h < KVH; h++) {
             const size_t at = (((size_t)block * KVH + h) * BS + (size_t)off) * D;
-            const float *kh = k + (size_t)h * D, *vh = v + (size_t)h * D;
-            if (bf16) {
-                uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
-                for (int d = 0; d < D; d++) {
-                    kc[d] = to_bf16(kh[d]);
-                    vc[d] = to_bf16(vh[d]);
-                }
-            } else {
-                memcpy((float *)k_cache + at, kh, sizeof(float) * (size_t)D);
-                memcpy((float *)v_cache + at, vh, sizeof(float) * (size_t)D);
+            char *kc = (char *)k_cache + at * (cache_bf16 ? 2 : 4);
+            char *vc = (char *)v_cache + at * (cache_bf16 ? 2 : 4);
+            for (int d = 0; d < D; d++) {
+                store(kc, d, k[h * D + d], cache_bf16);
+                store(vc, d, v[h * D + d], cache_bf16);
             }
         }
     }
 }
 
-void kvflow_rope_store_f32(float *qkv, const float *cos, const float *sin, const int64_t *slots,
-                           void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS) {
-    rope_store(qkv, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 0);
-}
-
-void kvflow_rope_store_bf16(float *qkv, const float *cos, const float *sin, const int64_t *slots,
-                            void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS) {
-    rope_store(qkv, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 1);
+void kvflow_rope_store(const void *qkv, float *out, const float *cos, const float *sin,
+                       const int64_t *slots, void *k_cache, void *v_cache, int T, int H, int KVH,
+                       int D, int BS, int in_bf16, int cache_bf16) {
+    if (in_bf16 && cache_bf16)
+        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 1, 1);
+    else if (in_bf16)
+        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 1, 0);
+    else if (cache_bf16)
+        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 0, 1);
+    else
+        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 0, 0);
 }
