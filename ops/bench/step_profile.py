@@ -70,7 +70,10 @@ def _labelled(engine: LLMEngine) -> Iterator[None]:
         setattr(owner, name, labelled)
 
     wrap(llama_mod, "paged_attention", "kv.attention")
-    wrap(llama_mod.Linear, "forward", "kv.linear")
+    # a Linear's forward is narrow_input, matmul, then the cast back; the C layer ops
+    # path calls the first two itself
+    wrap(llama_mod.Linear, "narrow_input", "kv.linear")
+    wrap(llama_mod.Linear, "matmul", "kv.linear")
     wrap(quant_mod.Int8Linear, "forward", "kv.linear")
     wrap(engine.runner.model, "forward", "kv.forward")
     wrap(engine.runner.model, "compute_logits", "kv.linear")

@@ -48,7 +48,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype or x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x)
         return self.matmul(self.narrow_input(x))[: x.shape[0]].to(x.dtype)
 
     def rows_for(self, rows: int) -> int:
@@ -69,7 +69,8 @@ class Linear(nn.Module):
         return xp
 
     def matmul(self, xp: torch.Tensor) -> torch.Tensor:
-        """[R, in] already in the weights' dtype with `rows_for` rows -> [R, out], same dtype."""
+        """[R, in] already in the weights' dtype (with `rows_for` rows where the weights are
+        narrower than float32) -> [R, out], same dtype."""
         return F.linear(xp, self.weight, self.bias)
 
 
