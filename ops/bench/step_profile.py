@@ -46,8 +46,8 @@ class StepProfile:
     batch: int
     step_ms: float  # median over steps run without the profiler (wall)
     phases_ms: dict[str, float]  # per step
-    limit_tok_s: float = 0.0  # the linear layers alone: best pass
-    limit_median_tok_s: float = 0.0  # median of the passes run between the timed steps
+    limit_tok_s: float  # the linear layers alone: best pass
+    limit_median_tok_s: float  # median of the passes run between the timed steps
 
     @property
     def tok_s(self) -> float:
@@ -202,28 +202,26 @@ def _linear_pass(layers: list[Layer]) -> float:
 
 def run(
     engine: LLMEngine, batches: tuple[int, ...], progress: Callable[[str], None] | None = None
-) -> list[tuple[StepProfile, float]]:
-    """(profile, linear-layer limit tok/s) for each batch size."""
+) -> list[StepProfile]:
+    """A decode step's profile, with the linear-layer limit, for each batch size."""
     out = []
     for b in batches:
         if progress is not None:
             progress(f"profiling decode at batch {b}")
-        prof = profile_decode(engine, b)
-        out.append((prof, prof.limit_tok_s))
+        out.append(profile_decode(engine, b))
     return out
 
 
-def table(rows: list[tuple[StepProfile, float]], dtype: str) -> str:
+def table(rows: list[StepProfile], dtype: str) -> str:
     head = "| batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
     head += f" | linear-layer limit tok/s ({dtype}) | share of limit |"
     head += " share of the limit's median pass |"
     lines = [head, "|" + "---|" * (len(PHASES) + 6)]
-    for p, limit in rows:
+    for p in rows:
         cells = " | ".join(f"{p.phases_ms[k]:.1f}" for k in PHASES)
-        between = f"{p.tok_s / p.limit_median_tok_s:.0%}" if p.limit_median_tok_s else "-"
         lines.append(
-            f"| {p.batch} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {limit:.0f} | "
-            f"{p.tok_s / limit:.0%} | {between} |"
+            f"| {p.batch} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {p.limit_tok_s:.0f} | "
+            f"{p.tok_s / p.limit_tok_s:.0%} | {p.tok_s / p.limit_median_tok_s:.0%} |"
         )
     return "\n".join(lines)
 

@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from worker.config import EngineConfig
+from worker.engine.model_runner import ModelRunner
 from worker.model.llama import RMSNorm, Rotary
+from worker.model.loader import load_model
 from worker.model.native import NativeKernels, load_native
 
 
@@ -63,12 +66,32 @@ def test_add_rms_norm_adds_in_place_then_normalises(
 @pytest.mark.parametrize("tokens", [2, 300])
 def test_silu_mul_equals_torch(ops: NativeKernels, tokens: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(tokens)
-    gate_up = (torch.randn(tokens, 2 * 96, generator=g) * 4).to(dtype)
-    gate, up = gate_up.float().split(96, dim=-1)
-    out = ops.silu_mul(gate_up, dtype)
-    assert out.dtype == dtype
+    gate_up = torch.randn(tokens + 6, 2 * 96, generator=g) * 4
+    # gates far out on both sides (exp(-gate) overflows float32 below about -88.7)
+    gate_up[0, :8] = torch.tensor([-1e4, -1000.0, -100.0, -89.0, 89.0, 100.0, 1000.0, 1e4])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up[:tokens].float().split(96, dim=-1)
+    out = ops.silu_mul(gate_up, dtype, tokens)
+    assert out.dtype == dtype and out.shape == (tokens + 6, 96)
     tol = {"rtol": 2**-8, "atol": 1e-5} if dtype == torch.bfloat16 else {}
-    torch.testing.assert_close(out.float(), (F.silu(gate) * up).to(dtype).float(), **tol)
+    want = (F.silu(gate) * up).to(dtype).float()
+    torch.testing.assert_close(out[:tokens].float(), want, **tol)
+    assert torch.count_nonzero(out[tokens:]) == 0  # padding rows zeroed, not computed
+
+
+def test_rms_norm_with_a_bfloat16_residual_into_padded_bfloat16_rows(ops: NativeKernels) -> None:
+    """What a decoder layer asks of it: x += o_proj's padded bfloat16 output, then the
+    norm into the next matmul's padded bfloat16 input."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 64, generator=g)
+    delta = torch.randn(16, 64, generator=g).bfloat16()
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64, generator=g) + 0.5
+    expected_x = x + delta[:13].float()
+    out = ops.rms_norm(x, norm.weight, 1e-6, delta, torch.bfloat16, rows=16)
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)
+    torch.testing.assert_close(out[:13].float(), norm(expected_x), rtol=2**-8, atol=1e-6)
+    assert torch.count_nonzero(out[13:]) == 0
 
 
 def _ties(n: int, g: torch.Generator) -> torch.Tensor:
@@ -107,30 +130,105 @@ def test_rope_store_rotates_and_stores_k_and_v(
     k_cache = torch.zeros(num_blocks, kv_heads, bs, dim, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
 
-    out = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads)
+    q_out, k_out, v_out = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads)
 
-    assert out.shape == (tokens, qkv.shape[1]) and out.dtype == torch.float32
+    assert q_out.shape == (tokens, heads, dim) and k_out.shape == (tokens, kv_heads, dim)
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (q_out, k_out, v_out))
     assert torch.equal(qkv, before)  # its input is left as it was
-    rotated = out.view(tokens, heads + 2 * kv_heads, dim)
-    torch.testing.assert_close(rotated[:, :heads], q_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(rotated[:, heads : heads + kv_heads], k_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(rotated[:, heads + kv_heads :], v_ref)  # widened exactly
+    torch.testing.assert_close(q_out, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_out, v_ref)  # widened exactly
     # The cache holds the kernel's own rotated k and v, rounded as torch rounds to the
     # cache's dtype: bit for bit, ties included.
     stored_k = k_cache[slots // bs, :, slots % bs]  # [T, KVH, D]
     stored_v = v_cache[slots // bs, :, slots % bs]
-    assert torch.equal(stored_k, rotated[:, heads : heads + kv_heads].to(cache_dtype))
+    assert torch.equal(stored_k, k_out.to(cache_dtype))
     assert torch.equal(stored_v, v_ref.to(cache_dtype))
     # nothing written outside the tokens' slots
     written = torch.zeros(num_blocks * bs, dtype=torch.bool)
     written[slots] = True
-    untouched = k_cache.permute(0, 2, 1, 3).reshape(num_blocks * bs, -1)[~written]
-    assert torch.count_nonzero(untouched) == 0
+    for cache in (k_cache, v_cache):
+        untouched = cache.permute(0, 2, 1, 3).reshape(num_blocks * bs, -1)[~written]
+        assert torch.count_nonzero(untouched) == 0
 
 
-def test_layer_ops_refuse_rows_they_cannot_read(ops: NativeKernels) -> None:
+def test_layer_ops_refuse_what_they_cannot_read(ops: NativeKernels) -> None:
     x = torch.randn(8, 64)
+    w = torch.ones(64)
     with pytest.raises(TypeError, match="contiguous"):
-        ops.rms_norm(x.t().contiguous().t(), torch.ones(64), 1e-6)
+        ops.rms_norm(x.t().contiguous().t(), w, 1e-6)
     with pytest.raises(TypeError, match="float16"):
         ops.silu_mul(torch.randn(8, 64).half())
+    with pytest.raises(ValueError, match="at least 8 output rows"):
+        ops.rms_norm(x, w, 1e-6, rows=2)
+    with pytest.raises(ValueError, match="norm weight"):
+        ops.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="8, 64"):
+        ops.rms_norm(x, w, 1e-6, residual=torch.randn(4, 64))
+    with pytest.raises(ValueError):
+        ops.silu_mul(torch.randn(8, 64), tokens=9)
+    k_cache = torch.zeros(4, 2, 16, 64)
+    cos = torch.randn(8, 32)
+    qkv = torch.randn(8, (6 + 4) * 64)
+    slots = torch.arange(8)
+    with pytest.raises(ValueError, match="int64 slots"):
+        ops.rope_store(qkv, cos, cos, slots.int(), k_cache, k_cache.clone(), 6)
+    with pytest.raises(ValueError, match="qkv rows"):
+        ops.rope_store(qkv[:4], cos, cos, slots, k_cache, k_cache.clone(), 6)
+    with pytest.raises(ValueError, match="qkv rows"):
+        ops.rope_store(qkv, cos, cos, slots, k_cache, k_cache.clone(), 5)
+
+
+@pytest.mark.parametrize("variant", ["llama3", "smollm2", "mistral", "qwen2"])
+@pytest.mark.parametrize(("dtype", "kv"), [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_layer_ops_path_equals_the_torch_path(
+    variant: str, dtype: str, kv: str, tiny_model_dir
+) -> None:
+    """The same steps (a prefill; then decode rows, a fresh prefill and a chunk continuing
+    a cached prompt, mixed) through the C layer ops and through the torch ops, both with
+    the C attention kernel: logits and caches agree (bfloat16 layers: padded rows)."""
+    from tests.model.test_equivalence import _sched
+
+    path = tiny_model_dir(variant)
+    logits, caches = [], []
+    for with_ops in (True, False):
+        cfg = EngineConfig(
+            model=str(path),
+            block_size=4,
+            num_kv_blocks=64,
+            attention="native",
+            dtype=dtype,
+            kv_cache_dtype=kv,
+        )
+        runner = ModelRunner(cfg, load_model(str(path), dtype=dtype))
+        assert runner.layer_ops is not None
+        assert all(layer.takes_layer_ops for layer in runner.model.layers)
+        if not with_ops:
+            runner.layer_ops = None
+        g = torch.Generator().manual_seed(7)
+        a = torch.randint(0, 1000, (30,), generator=g).tolist()
+        b = torch.randint(0, 1000, (26,), generator=g).tolist()
+        blocks_a, blocks_b = list(range(8)), list(range(8, 15))
+        out = [runner.all_logits([_sched("a", a, 0, 23, blocks_a)])["a"]]
+        step = runner.all_logits([_sched("a", a, 23, 1, blocks_a), _sched("b", b, 0, 11, blocks_b)])
+        out += [step["a"], step["b"]]
+        step = runner.all_logits(
+            [_sched("b", b, 11, 15, blocks_b), _sched("a", a, 24, 1, blocks_a)]
+        )
+        out += [step["a"], step["b"]]
+        logits.append(out)
+        caches.append([c[:15].float() for pair in runner.kv_caches for c in pair])
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == "float32" else {"atol": 2e-2, "rtol": 1e-2}
+    for got, want in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    for got, want in zip(*caches, strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_int8_and_qk_norm_layers_keep_the_torch_ops(tiny_model_dir) -> None:
+    qwen3 = load_model(str(tiny_model_dir("qwen3")))
+    assert not any(layer.takes_layer_ops for layer in qwen3.model.layers)
+    int8 = load_model(str(tiny_model_dir("llama3")), dtype="int8")
+    assert not any(layer.takes_layer_ops for layer in int8.model.layers)
+    plain = load_model(str(tiny_model_dir("llama3")))
+    assert all(layer.takes_layer_ops for layer in plain.model.layers)

@@ -113,6 +113,7 @@ class ModelRunner:
         # The layer's per-token ops in C where the attention kernel is (the same library),
         # for a float32 residual stream (what those kernels take).
         self.layer_ops = self.native if act_dtype == torch.float32 else None
+        self._slots = num_blocks * self.block_size
         # CPU: a step of one or two tokens runs no faster on several OpenMP threads, but
         # the idle ones spin between kernels and take a core from the event loop, the
         # broker and the database sharing the machine; such steps run on one thread.
@@ -252,6 +253,9 @@ class ModelRunner:
             last_row.append(row - 1)
 
         dev = self.device
+        if self.layer_ops is not None and slots and not 0 <= min(slots) <= max(slots) < self._slots:
+            # the C store writes where it is told: a slot past the cache is a bug upstream
+            raise ValueError(f"cache slots {min(slots)}..{max(slots)} outside 0..{self._slots - 1}")
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,

@@ -148,7 +148,8 @@ def paged_attention(
     if meta.in_place is not None:
         d = meta.in_place
         n = d.context_lens.shape[0]
-        # q and out are [T, H, D] contiguous, so their first n rows are too. The kernel
+        # out is [T, H, D] contiguous, so its first n rows are too; q is where the C
+        # layer ops made it (else a view of the qkv projection: copied). The kernel
         # computes in float32 whatever the cache holds: bf16 activations go through a
         # float32 copy ([n, H, D], small next to the context it reads).
         wide = q.dtype == torch.float32

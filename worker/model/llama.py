@@ -161,13 +161,9 @@ class Attention(nn.Module):
         assert isinstance(self.o_proj, Linear)
         cos, sin = (t.view(T, -1) for t in rope)  # [T, D/2]
         # rotary on q and k, the K/V store and the widening to float32 in one pass
-        qkv = meta.layer_ops.rope_store(
+        q, k, v = meta.layer_ops.rope_store(
             self.qkv_proj.matmul(h), cos, sin, meta.slot_mapping, *kv, self.num_heads
-        )  # [T, (H + 2 KVH) * D] float32
-        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        )  # [T, H, D], [T, KVH, D] x 2, float32, contiguous
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D] float32
         return self.o_proj.matmul(self.o_proj.narrow_input(o.view(T, self.q_size)))
 
@@ -185,12 +181,12 @@ class MLP(nn.Module):
         out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
-    def forward_ops(self, h: torch.Tensor, ops: NativeKernels) -> torch.Tensor:
+    def forward_ops(self, h: torch.Tensor, tokens: int, ops: NativeKernels) -> torch.Tensor:
         """`forward` with SiLU and multiply as one C pass; h [R, C] in the linear layers'
-        dtype, rows as `rows_for` gives them -> [R, C] in that dtype."""
+        dtype, `tokens` rows and the padding `rows_for` adds -> [R, C] in that dtype."""
         assert isinstance(self.gate_up_proj, Linear) and isinstance(self.down_proj, Linear)
         gate_up = self.gate_up_proj.matmul(h)  # [R, 2 * I]
-        return self.down_proj.matmul(ops.silu_mul(gate_up, gate_up.dtype))
+        return self.down_proj.matmul(ops.silu_mul(gate_up, gate_up.dtype, tokens))
 
 
 class DecoderLayer(nn.Module):
@@ -200,7 +196,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self._takes_layer_ops: bool | None = None
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
@@ -222,23 +217,21 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward_ops(h, T, rope, kv, meta)  # [R, C]
         w2 = self.post_attention_layernorm.weight
         h = ops.rms_norm(x, w2, eps, residual=a, out_dtype=dtype, rows=rows)
-        out = x + self.mlp.forward_ops(h, ops)[:T]  # float32 + the linear layers' dtype
+        out = x + self.mlp.forward_ops(h, T, ops)[:T]  # float32 + the linear layers' dtype
         return out
 
     @property
     def takes_layer_ops(self) -> bool:
-        """Whether the C layer ops apply: plain Linear layers (not int8 ones) of one dtype,
-        no q/k norm (it comes between the projection and the rotary). Settled at the first
-        forward pass, once the loader has cast or swapped the layers."""
-        if self._takes_layer_ops is None:
-            attn, mlp = self.self_attn, self.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            self._takes_layer_ops = (
-                attn.q_norm is None
-                and all(isinstance(m, Linear) for m in linears)
-                and len({m.weight.dtype for m in linears}) == 1
-            )
-        return self._takes_layer_ops
+        """Whether the C layer ops apply: plain Linear layers (not int8 ones) all in float32
+        or all in bfloat16, no q/k norm (it comes between the projection and the rotary)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.q_norm is not None or not all(isinstance(m, Linear) for m in linears):
+            return False
+        dtype = attn.qkv_proj.weight.dtype
+        return dtype in (torch.float32, torch.bfloat16) and all(
+            m.weight.dtype == dtype for m in linears
+        )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -5,11 +5,12 @@ and values straight out of the cache blocks; torch has no CPU op for that, and t
 torch path (gather the blocks into a scratch tensor, then two matmuls) copies every
 sequence's whole context once per layer and step. The layer's small per-token ops
 (kernels/layer_ops.c: RMSNorm, rotary with the store of K/V into the cache, SiLU
-and multiply) are one
-call each instead of a chain of torch ops. The kernels are plain C with OpenMP,
-built with the system's C compiler (`-march=native`: the build is keyed by the CPU's
-flags as well as the source) into a cache directory and loaded with ctypes; where no
-compiler is found or the build fails, the caller keeps the torch path and says why.
+and multiply) are one call each instead of a chain of torch ops. The kernels are plain
+C with OpenMP, built with the system's C compiler (`-march=native`: the build is keyed
+by the CPU's flags as well as the source) into a cache directory and loaded with
+ctypes; where no compiler is found or the build fails, the caller keeps the torch path
+and says why. The wrappers check every shape and dtype the C code relies on: a wrong
+one is a TypeError or ValueError here, not a write out of bounds.
 """
 
 from __future__ import annotations
@@ -100,15 +101,23 @@ class NativeKernels:
         add and the next norm in one pass)."""
         _check_rows(x, weight, float32_only=True)
         T, C = x.shape
-        out = torch.empty((rows or T, C), dtype=out_dtype)
-        _check_rows(out, *([] if residual is None else [residual]))
+        rows = T if rows is None else rows
+        _expect(weight.shape == (C,), f"a norm weight of {C}", weight)
+        _expect(rows >= T, f"at least {T} output rows", rows)
+        out = torch.empty((rows, C), dtype=out_dtype)
+        _check_rows(out)
+        if residual is not None:
+            _check_rows(residual)
+            _expect(
+                residual.shape[0] >= T and residual.shape[1:] == (C,), f"[>= {T}, {C}]", residual
+            )
         self.lib.kvflow_rms_norm(
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
             weight.data_ptr(),
             out.data_ptr(),
             T,
-            out.shape[0],
+            rows,
             C,
             ctypes.c_float(eps),
             residual is not None and residual.dtype == torch.bfloat16,
@@ -117,16 +126,23 @@ class NativeKernels:
         return out
 
     def silu_mul(
-        self, gate_up: torch.Tensor, out_dtype: torch.dtype = torch.float32
+        self,
+        gate_up: torch.Tensor,  # [R, 2 I] float32 or bfloat16: gate, then up
+        out_dtype: torch.dtype = torch.float32,
+        tokens: int | None = None,
     ) -> torch.Tensor:
-        """[R, 2 I] (gate, then up) -> [R, I] in `out_dtype`: silu(gate) * up."""
+        """[R, I] in `out_dtype`: silu(gate) * up for the first `tokens` rows (default all),
+        the rest zeroed (the padding rows of a matmul's output)."""
+        _check_rows(gate_up)
         R, two_i = gate_up.shape
+        tokens = R if tokens is None else tokens
+        _expect(two_i % 2 == 0 and 0 <= tokens <= R, f"[>= {tokens}, 2 I]", gate_up)
         out = torch.empty((R, two_i // 2), dtype=out_dtype)
-        _check_rows(gate_up, out)
+        _check_rows(out)
         self.lib.kvflow_silu_mul(
             gate_up.data_ptr(),
             out.data_ptr(),
-            R,
+            tokens,
             R,
             two_i // 2,
             gate_up.dtype == torch.bfloat16,
@@ -139,37 +155,48 @@ class NativeKernels:
         qkv: torch.Tensor,  # [>= T, (H + 2 KVH) * D] float32 or bfloat16, contiguous
         cos: torch.Tensor,  # [T, D/2] float32, contiguous
         sin: torch.Tensor,
-        slots: torch.Tensor,  # [T] int64 cache slots
+        slots: torch.Tensor,  # [T] int64 cache slots, each < NB * BS (the caller's word)
         k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
         v_cache: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor:
-        """The first T rows of qkv in float32 with rotary applied to q and k ([T, width],
-        new tensor); each token's k and v into its cache slot."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D], float32, each contiguous, from the first T rows
+        of qkv, rotary applied to q and k; each token's k and v into its cache slot."""
         _check_rows(qkv)
         _check_rows(cos, sin, float32_only=True)
         _, KVH, BS, D = k_cache.shape
         if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
             raise TypeError(f"the C kernel writes a float32 or bfloat16 cache, not {k_cache.dtype}")
-        T = cos.shape[0]
-        out = torch.empty((T, qkv.shape[1]), dtype=torch.float32)
+        _expect(v_cache.shape == k_cache.shape and k_cache.is_contiguous(), "caches alike", v_cache)
+        T, H = cos.shape[0], num_heads
+        _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
+        _expect(qkv.shape[0] >= T and qkv.shape[1] == (H + 2 * KVH) * D, "qkv rows", qkv)
+        _expect(slots.dtype == torch.int64 and slots.shape == (T,), f"{T} int64 slots", slots)
+        out = torch.empty(T * (H + 2 * KVH) * D, dtype=torch.float32)
         self.lib.kvflow_rope_store(
             qkv.data_ptr(),
             out.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
-            slots.data_ptr(),
+            slots.contiguous().data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             T,
-            num_heads,
+            H,
             KVH,
             D,
             BS,
             qkv.dtype == torch.bfloat16,
             k_cache.dtype == torch.bfloat16,
         )
-        return out
+        q, k, v = torch.split(out, [T * H * D, T * KVH * D, T * KVH * D])
+        return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+
+
+def _expect(ok: bool, what: str, got: object) -> None:
+    if not ok:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else got
+        raise ValueError(f"the C layer ops expected {what}, got {shape}")
 
 
 def _check_rows(*tensors: torch.Tensor, float32_only: bool = False) -> None:

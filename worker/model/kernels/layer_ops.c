@@ -8,17 +8,19 @@
  * the casts from and to the float32 residual stream are folded into the ops (a linear
  * layer's bfloat16 output widened to float32 carries no more than it did).
  *
- *   kvflow_rms_norm       out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps)
- *   kvflow_add_rms_norm   x[t] += delta[t], then out[t] as above (vLLM's fused_add_rms_norm)
+ *   kvflow_rms_norm       out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps); with delta (not
+ *                         NULL) x[t] += delta[t] first, in place (vLLM's fused_add_rms_norm)
  *   kvflow_silu_mul       out[t] = silu(gate[t]) * up[t], gate and up the halves of a row
- *   kvflow_rope_store     out[t] = the token's q, k and v, q and k rotated ('rotate half'
- *                         layout), in float32; the token's k and v into its cache slot
+ *   kvflow_rope_store     the token's q, k and v in float32, q and k rotated ('rotate half'
+ *                         layout); its k and v into its cache slot
  *
  * Shapes (rows contiguous):
  *   x [T, C] float32, w [C] float32, delta [T, C]; out [R, C], R >= T: rows T..R-1 are
  *   zeroed (the linear layers pad their rows to a few bucket sizes, see llama.Linear)
  *   gate_up [T, 2 I] (out [R, I])
- *   qkv [T, (H + 2 KVH) D]: q heads, then k heads, then v heads (out the same, float32)
+ *   qkv [T, (H + 2 KVH) D]: q heads, then k heads, then v heads; out: q [T, H, D], then
+ *   k [T, KVH, D], then v [T, KVH, D], float32, each contiguous (the attention kernel and
+ *   the prefill path take them as they are)
  *   cos, sin [T, D / 2] float32 (the token's position's angles)
  *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D]
  * The `*_bf16` flags say which of the rows are bfloat16 (else float32); bfloat16 results
@@ -113,7 +115,10 @@ silu_mul(const void *gate_up, void *out, int T, int I, const int in_bf16, const 
 #pragma omp simd
         for (int i = 0; i < I; i++) {
             const float a = load(g, i, in_bf16);
-            store(o, i, a / (1.0f + expf(-a)) * load(u, i, in_bf16), out_bf16);
+            /* exp(-a) bounded below float32's overflow: with -ffast-math the division is a
+             * reciprocal and a refinement step, which an infinite denominator turns into
+             * NaN (gates below about -88.7); past the bound silu(a) is -0 to float32 */
+            store(o, i, a / (1.0f + expf(fminf(-a, 88.0f))) * load(u, i, in_bf16), out_bf16);
         }
     }
 }
@@ -155,10 +160,12 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
            void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, const int in_bf16,
            const int cache_bf16) {
     const int width = (H + 2 * KVH) * D;
+    float *q_out = out, *k_out = q_out + (size_t)T * H * D, *v_out = k_out + (size_t)T * KVH * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
         const char *row = (const char *)qkv + (size_t)t * row_bytes(width, in_bf16);
-        float *q = out + (size_t)t * width, *k = q + (size_t)H * D, *v = k + (size_t)KVH * D;
+        float *q = q_out + (size_t)t * H * D, *k = k_out + (size_t)t * KVH * D,
+              *v = v_out + (size_t)t * KVH * D;
         const float *cs = cos + (size_t)t * (D / 2), *sn = sin + (size_t)t * (D / 2);
         rotate(row, q, cs, sn, H, D, in_bf16);
         rotate(row + row_bytes(H * D, in_bf16), k, cs, sn, KVH, D, in_bf16);
