@@ -136,7 +136,8 @@ class ModelRunner:
             kv_cache_bytes=num_blocks * block_bytes,
             dtype_reason=dtype_reason,
             num_threads=self._threads,
-            attention=attention,
+            attention=attention
+            + ("; norms, rotary and SiLU as C layer ops" if self.layer_ops is not None else ""),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
         )
 
