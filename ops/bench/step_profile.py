@@ -1,6 +1,7 @@
 """Where a decode step's time goes, and what the linear layers alone allow.
 
     python ops/bench/step_profile.py                 # batch 16, 32, 64; dtype auto
+    python ops/bench/step_profile.py --compare-layer-ops   # C layer ops vs torch ops
 
 `profile_decode` fills the engine with `batch` sequences (prompts of `context` tokens),
 then runs decode-only steps under the torch profiler with the model's linear layers,
@@ -226,6 +227,33 @@ def table(rows: list[StepProfile], dtype: str) -> str:
     return "\n".join(lines)
 
 
+def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> str:
+    """Decode steps at `batch` with the C layer ops and with the torch ops, alternating
+    step by step in this one engine (so both see the same moments of the machine); the
+    medians of `rounds` steps each, as a table."""
+    runner = engine.runner
+    ops = runner.layer_ops
+    if ops is None:
+        return "(no C layer ops here: nothing to compare)"
+    _fill(engine, batch, 256, 2 * rounds + 4)
+    times: dict[str, list[float]] = {"C layer ops": [], "torch ops": []}
+    try:
+        for _ in range(rounds):
+            for name, chosen in (("C layer ops", ops), ("torch ops", None)):
+                runner.layer_ops = chosen
+                t0 = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        runner.layer_ops = ops
+        engine.abort(list(engine.scheduler.requests))
+    med = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    lines = [f"| batch {batch} decode step | median ms ({rounds} steps) |", "|---|---:|"]
+    lines += [f"| {name} | {ms:.1f} |" for name, ms in med.items()]
+    ratio = med["C layer ops"] / med["torch ops"]
+    return "\n".join(lines) + f"\n\nC layer ops / torch ops: {ratio:.2f}x"
+
+
 CURVE_SIZES = (4, 8, 16, 32, 48, 64, 96, 128)
 
 
@@ -280,6 +308,11 @@ def main() -> None:
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument(
+        "--compare-layer-ops",
+        action="store_true",
+        help="only time batch-64 decode steps with the C layer ops against the torch ops",
+    )
     args = ap.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -291,6 +324,9 @@ def main() -> None:
     )
     info = engine.info
     print(f"attention: {info.attention}; KV cache: {info.kv_cache_dtype}", file=sys.stderr)
+    if args.compare_layer_ops:
+        print(compare_layer_ops(engine))
+        return
     batches = tuple(int(b) for b in args.batches.split(","))
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr))
     print(table(rows, engine.info.dtype))
