@@ -111,8 +111,10 @@ class ModelRunner:
         ]
         self.workspace = Workspace(self.device, self.kv_dtype)
         # The layer's per-token ops in C where the attention kernel is (the same library),
-        # for a float32 residual stream (what those kernels take).
+        # for a float32 residual stream (what those kernels take); each step's metadata
+        # carries them where the model's layers take them (decided here, once).
         self.layer_ops = self.native if act_dtype == torch.float32 else None
+        self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
         self._slots = num_blocks * self.block_size
         # CPU: a step of one or two tokens runs no faster on several OpenMP threads, but
         # the idle ones spin between kernels and take a core from the event loop, the
@@ -137,7 +139,7 @@ class ModelRunner:
             dtype_reason=dtype_reason,
             num_threads=self._threads,
             attention=attention
-            + ("; norms, rotary and SiLU as C layer ops" if self.layer_ops is not None else ""),
+            + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else ""),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
         )
 
@@ -254,7 +256,11 @@ class ModelRunner:
             last_row.append(row - 1)
 
         dev = self.device
-        if self.layer_ops is not None and slots and not 0 <= min(slots) <= max(slots) < self._slots:
+        if (
+            self._step_layer_ops() is not None
+            and slots
+            and not 0 <= min(slots) <= max(slots) < self._slots
+        ):
             # the C store writes where it is told: a slot past the cache is a bug upstream
             raise ValueError(f"cache slots {min(slots)}..{max(slots)} outside 0..{self._slots - 1}")
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -265,7 +271,7 @@ class ModelRunner:
             decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
             in_place=self._in_place(singles) if self.native is not None and singles else None,
-            layer_ops=self.layer_ops,
+            layer_ops=self._step_layer_ops(),
             block_size=bs,
             workspace=self.workspace,
         )
@@ -278,6 +284,9 @@ class ModelRunner:
             sampling=[order[i] for i in sampling],
             logit_rows=torch.tensor([last_row[i] for i in sampling], dtype=torch.int64, device=dev),
         )
+
+    def _step_layer_ops(self) -> NativeKernels | None:
+        return self.layer_ops if self._layers_take_ops else None
 
     def _in_place(self, singles: list[ScheduledRequest]) -> InPlaceDecode:
         assert self.native is not None

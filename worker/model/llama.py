@@ -200,8 +200,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        ops = meta.layer_ops
-        if ops is None or not self.takes_layer_ops:
+        ops = meta.layer_ops  # set only where every layer `takes_layer_ops`
+        if ops is None:
             x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
             out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
             return out

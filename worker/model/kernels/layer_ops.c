@@ -34,6 +34,20 @@
 
 #define PARALLEL_ROWS 256 /* fewer tokens than this run on the calling thread */
 
+/* Call fn(..., a, b) with the two dtype flags a and b as literals (0 or 1), so that each
+ * of the four combinations is compiled with its loads and stores fixed. */
+#define WITH_FLAGS(fn, a, b, ...)                \
+    do {                                         \
+        if (a && b)                              \
+            fn(__VA_ARGS__, 1, 1);               \
+        else if (a)                              \
+            fn(__VA_ARGS__, 1, 0);               \
+        else if (b)                              \
+            fn(__VA_ARGS__, 0, 1);               \
+        else                                     \
+            fn(__VA_ARGS__, 0, 0);               \
+    } while (0)
+
 /* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN) */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -93,14 +107,7 @@ add_norm(float *x, const void *delta, const float *w, void *out, int T, int C, f
 
 void kvflow_rms_norm(float *x, const void *delta, const float *w, void *out, int T, int R, int C,
                      float eps, int delta_bf16, int out_bf16) {
-    if (delta_bf16 && out_bf16)
-        add_norm(x, delta, w, out, T, C, eps, 1, 1);
-    else if (delta_bf16)
-        add_norm(x, delta, w, out, T, C, eps, 1, 0);
-    else if (out_bf16)
-        add_norm(x, delta, w, out, T, C, eps, 0, 1);
-    else
-        add_norm(x, delta, w, out, T, C, eps, 0, 0);
+    WITH_FLAGS(add_norm, delta_bf16, out_bf16, x, delta, w, out, T, C, eps);
     memset((char *)out + (size_t)T * row_bytes(C, out_bf16), 0,
            (size_t)(R - T) * row_bytes(C, out_bf16));
 }
@@ -125,14 +132,7 @@ silu_mul(const void *gate_up, void *out, int T, int I, const int in_bf16, const 
 
 void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in_bf16,
                      int out_bf16) {
-    if (in_bf16 && out_bf16)
-        silu_mul(gate_up, out, T, I, 1, 1);
-    else if (in_bf16)
-        silu_mul(gate_up, out, T, I, 1, 0);
-    else if (out_bf16)
-        silu_mul(gate_up, out, T, I, 0, 1);
-    else
-        silu_mul(gate_up, out, T, I, 0, 0);
+    WITH_FLAGS(silu_mul, in_bf16, out_bf16, gate_up, out, T, I);
     memset((char *)out + (size_t)T * row_bytes(I, out_bf16), 0,
            (size_t)(R - T) * row_bytes(I, out_bf16));
 }
@@ -187,12 +187,6 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
 void kvflow_rope_store(const void *qkv, float *out, const float *cos, const float *sin,
                        const int64_t *slots, void *k_cache, void *v_cache, int T, int H, int KVH,
                        int D, int BS, int in_bf16, int cache_bf16) {
-    if (in_bf16 && cache_bf16)
-        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 1, 1);
-    else if (in_bf16)
-        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 1, 0);
-    else if (cache_bf16)
-        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 0, 1);
-    else
-        rope_store(qkv, out, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, BS, 0, 0);
+    WITH_FLAGS(rope_store, in_bf16, cache_bf16, qkv, out, cos, sin, slots, k_cache, v_cache, T, H,
+               KVH, D, BS);
 }
