@@ -96,6 +96,13 @@ def engine_options(fn: F) -> F:
             "(native), block gather + matmuls (torch), native where it builds (auto).",
         ),
         click.option(
+            "--linear",
+            type=click.Choice(["auto", "onednn", "torch"]),
+            default=None,
+            help="CPU linear layers: weights packed once at load for oneDNN's matmul "
+            "(onednn), torch's plain matmul (torch), onednn where torch has it (auto).",
+        ),
+        click.option(
             "--kv-cache-dtype",
             type=click.Choice(["auto", "float32", "bfloat16"]),
             default=None,
@@ -139,6 +146,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "num_threads": kw.pop("threads", None),
         "attention": kw.pop("attention", None),
         "kv_cache_dtype": kw.pop("kv_cache_dtype", None),
+        "linear": kw.pop("linear", None),
         "tune_batch": kw.pop("tune_batch", None),
     }
     try:
@@ -201,7 +209,8 @@ def run_batch(
     info = engine.info
     click.echo(
         f"kvflow: {info.model_name} on {info.device} ({info.dtype}: {info.dtype_reason}; "
-        f"{info.num_threads} threads; attention: {info.attention}), {info.num_blocks} KV blocks "
+        f"{info.num_threads} threads; linear layers: {info.linear}; attention: {info.attention}), "
+        f"{info.num_blocks} KV blocks "
         f"x {info.block_size} tokens in {info.kv_cache_dtype}, {config.scheduling} scheduling",
         err=True,
     )

@@ -26,6 +26,7 @@ CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the model is loaded
 CPU_DTYPES = ("auto", "float32", "bfloat16", "int8")
 CUDA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class EngineConfig:
     # (worker.model.native; built on first use), "torch" gathers blocks and runs matmuls,
     # "auto" takes native where it builds and torch elsewhere (and on CUDA).
     attention: str = "auto"
+    # Linear layers on CPU: "onednn" packs their weights once at load for oneDNN's matmul
+    # (worker.model.packing), "torch" keeps torch's plain matmul, "auto" packs where
+    # this torch has oneDNN (CPU only).
+    linear: str = "auto"
     # The KV cache's dtype: "auto" is the activations' (float32 on CPU); "bfloat16" on CPU
     # holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
@@ -130,6 +135,10 @@ class EngineConfig:
             bad(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.attention == "native" and self.device != "cpu":
             bad("attention 'native' is a CPU kernel; on CUDA use 'auto' or 'torch'")
+        if self.linear not in LINEAR_BACKENDS:
+            bad(f"linear must be one of {LINEAR_BACKENDS}, got {self.linear!r}")
+        if self.linear == "onednn" and self.device != "cpu":
+            bad("linear 'onednn' packs weights for CPU; on CUDA use 'auto' or 'torch'")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
@@ -213,6 +222,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "num_threads": int,
     "attention": str,
     "kv_cache_dtype": str,
+    "linear": str,
     "tune_batch": _bool,
 }
 

@@ -2,6 +2,7 @@
 
     python ops/bench/step_profile.py                 # batch 16, 32, 64; dtype auto
     python ops/bench/step_profile.py --compare-layer-ops   # C layer ops vs torch ops
+    python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
 
 `profile_decode` fills the engine with `batch` sequences (prompts of `context` tokens),
 then runs decode-only steps under the torch profiler with the model's linear layers,
@@ -37,6 +38,7 @@ import worker.model.quant as quant_mod
 from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
+from worker.model.packing import pack_linear_layers
 from worker.request import SamplingParams
 
 PHASES = ("linear", "attention", "sampling", "other model ops", "bookkeeping")
@@ -177,11 +179,9 @@ def _linear_layers(engine: LLMEngine, batch: int) -> list[Layer]:
     model = engine.runner.model
     layers: list[Layer] = []
     for m in model.modules():
-        if isinstance(m, llama_mod.Linear):
+        if isinstance(m, llama_mod.Linear):  # its own matmul: packed or plain, padded rows
             w = m.weight
-            layers.append(
-                (torch.randn(batch, w.shape[1], dtype=w.dtype), partial(F.linear, weight=w))
-            )
+            layers.append((torch.randn(m.rows_for(batch), w.shape[1], dtype=w.dtype), m.matmul))
         elif isinstance(m, quant_mod.Int8Linear):  # float32 in, the module's own steps
             layers.append((torch.randn(batch, m.in_features), m))
     if model.narrow_head is None:  # else the narrow projection is one of the modules above
@@ -227,31 +227,78 @@ def table(rows: list[StepProfile], dtype: str) -> str:
     return "\n".join(lines)
 
 
-def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> str:
-    """Decode steps at `batch` with the C layer ops and with the torch ops, alternating
-    step by step in this one engine (so both see the same moments of the machine); the
-    medians of `rounds` steps each, as a table."""
-    runner = engine.runner
-    ops = runner.layer_ops
-    if ops is None:
-        return "(no C layer ops here: nothing to compare)"
-    _fill(engine, batch, 256, 2 * rounds + 4)
-    times: dict[str, list[float]] = {"C layer ops": [], "torch ops": []}
+def _alternate(
+    engine: LLMEngine, batch: int, variants: dict[str, Callable[[], None]], rounds: int
+) -> dict[str, float]:
+    """Decode steps at `batch`, each variant set up (outside the timing) before its step,
+    the variants alternating step by step in this one engine so that all see the same
+    moments of the machine; median ms of `rounds` steps per variant."""
+    _fill(engine, batch, 256, len(variants) * rounds + 4)
+    times: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for _ in range(rounds):
-            for name, chosen in (("C layer ops", ops), ("torch ops", None)):
-                runner.layer_ops = chosen
+            for name, setup in variants.items():
+                setup()
                 t0 = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - t0)
     finally:
-        runner.layer_ops = ops
         engine.abort(list(engine.scheduler.requests))
-    med = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
+
+
+def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> str:
+    """Batch-`batch` decode steps with the C layer ops and with the torch ops, alternating."""
+    runner = engine.runner
+    ops = runner.layer_ops
+    if ops is None:
+        return "(no C layer ops here: nothing to compare)"
+
+    def use(chosen: Any) -> Callable[[], None]:
+        return lambda: setattr(runner, "layer_ops", chosen)
+
+    try:
+        med = _alternate(engine, batch, {"C layer ops": use(ops), "torch ops": use(None)}, rounds)
+    finally:
+        runner.layer_ops = ops
     lines = [f"| batch {batch} decode step | median ms ({rounds} steps) |", "|---|---:|"]
     lines += [f"| {name} | {ms:.1f} |" for name, ms in med.items()]
     ratio = med["C layer ops"] / med["torch ops"]
     return "\n".join(lines) + f"\n\nC layer ops / torch ops: {ratio:.2f}x"
+
+
+def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
+    """Decode steps with the linear weights packed for oneDNN and with torch's plain
+    matmul, alternating step by step (both copies of the weights held, swapped untimed)."""
+    model, device = engine.runner.model, engine.runner.device.type
+    chosen = engine.config.linear
+    weights: dict[str, list[tuple[llama_mod.Linear, torch.nn.Parameter]]] = {}
+    for choice in ("onednn", "torch"):
+        pack_linear_layers(model, choice, device)
+        weights[choice] = [
+            (m, m.weight) for m in model.modules() if isinstance(m, llama_mod.Linear)
+        ]
+
+    def use(choice: str) -> Callable[[], None]:
+        def setup() -> None:
+            for m, w in weights[choice]:
+                m.weight = w
+
+        return setup
+
+    lines = ["| batch | oneDNN, packed (ms) | torch, plain (ms) | packed / plain |"]
+    lines.append("|---:|---:|---:|---:|")
+    try:
+        for batch in batches:
+            med = _alternate(
+                engine, batch, {"packed": use("onednn"), "plain": use("torch")}, rounds
+            )
+            ratio = med["packed"] / med["plain"]
+            lines.append(f"| {batch} | {med['packed']:.1f} | {med['plain']:.1f} | {ratio:.2f}x |")
+    finally:
+        use("torch")()
+        pack_linear_layers(model, chosen, device)
+    return f"Decode step, median of {rounds} steps each:\n\n" + "\n".join(lines)
 
 
 CURVE_SIZES = (4, 8, 16, 32, 48, 64, 96, 128)
@@ -313,6 +360,11 @@ def main() -> None:
         action="store_true",
         help="only time batch-64 decode steps with the C layer ops against the torch ops",
     )
+    ap.add_argument(
+        "--compare-linear",
+        action="store_true",
+        help="only time decode steps with packed linear weights against torch's plain matmul",
+    )
     args = ap.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -328,6 +380,9 @@ def main() -> None:
         print(compare_layer_ops(engine))
         return
     batches = tuple(int(b) for b in args.batches.split(","))
+    if args.compare_linear:
+        print(compare_linear(engine, batches))
+        return
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr))
     print(table(rows, engine.info.dtype))
 

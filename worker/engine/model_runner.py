@@ -28,6 +28,7 @@ from worker.model.attention import (
 )
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import KV_DTYPES, MAX_GROUP, NativeKernels, load_native
+from worker.model.packing import pack_linear_layers
 from worker.model.sampler import Sampler, SamplingRow
 
 # Decode groups: sequences sorted by context length are padded together; a group is
@@ -52,6 +53,7 @@ class RuntimeInfo:
     dtype_reason: str = ""
     num_threads: int = 1  # torch threads for steps of more than SMALL_STEP_TOKENS tokens
     attention: str = "torch"  # the decode attention path and why (for the start-up log)
+    linear: str = "torch"  # the linear layers' matmul path and why (likewise)
     kv_cache_dtype: str = "float32"  # the KV cache's dtype and why (likewise)
 
 
@@ -82,6 +84,7 @@ class ModelRunner:
         self.sliding_window = mcfg.sliding_window
         self.block_size = config.block_size
         cpu = self.device.type == "cpu"
+        linear = pack_linear_layers(self.model, config.linear, self.device.type)
         self.native, attention = self._attention_backend(
             config, act_dtype, mcfg.num_heads // mcfg.num_kv_heads
         )
@@ -141,6 +144,7 @@ class ModelRunner:
             attention=attention
             + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else ""),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
+            linear=linear,
         )
 
     def _attention_backend(

@@ -39,6 +39,11 @@ class Linear(nn.Module):
     matmul and the output back, so only the matmul runs narrow. Its rows are then padded
     to a bucket (`padded_rows`): oneDNN builds a bf16 kernel for every new row count
     (~10 ms each here), and a continuous batch changes its token count every step.
+
+    On CPU the weight may be packed once for oneDNN (`pack`, worker.model.packing): the
+    same Parameter then holds an opaque mkldnn tensor (same shape and dtype) and the
+    matmul runs on it without copying the weight into the kernel's layout at every call.
+    Packed float32 weights are padded like narrow ones, for the same reason.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -47,13 +52,32 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype or x.dim() != 2:
+        rows = x.shape[0]
+        if x.dim() != 2 or (x.dtype == self.weight.dtype and self.rows_for(rows) == rows):
             return self.matmul(x)
-        return self.matmul(self.narrow_input(x))[: x.shape[0]].to(x.dtype)
+        return self.matmul(self.narrow_input(x))[:rows].to(x.dtype)
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.is_mkldnn
+
+    def pack(self, rows: int) -> None:
+        """Reorder the weight once into oneDNN's blocked layout, chosen for about `rows`
+        rows of input (any row count runs on it). bfloat16 results are bit for bit the
+        plain matmul's; float32 ones differ by summation order only."""
+        if not self.packed:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
+            self.weight = nn.Parameter(packed, requires_grad=False)
+
+    def unpack(self) -> None:
+        """Back to a plain [out, in] weight (exactly the one packed)."""
+        if self.packed:
+            self.weight = nn.Parameter(self.weight.detach().to_dense(), requires_grad=False)
 
     def rows_for(self, rows: int) -> int:
         """The row count this layer's matmul takes for `rows` rows of input."""
-        return rows if self.weight.dtype == torch.float32 else padded_rows(rows)
+        plain = self.weight.dtype == torch.float32 and not self.packed
+        return rows if plain else padded_rows(rows)
 
     def narrow_input(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows_for(rows), in] in the weights' dtype, the padding zeroed."""
@@ -71,6 +95,11 @@ class Linear(nn.Module):
     def matmul(self, xp: torch.Tensor) -> torch.Tensor:
         """[R, in] already in the weights' dtype (with `rows_for` rows where the weights are
         narrower than float32) -> [R, out], same dtype."""
+        if self.packed:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                xp, self.weight, self.bias, "none", [], ""
+            )
+            return out
         return F.linear(xp, self.weight, self.bias)
 
 
