@@ -288,6 +288,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--linear", default="auto", choices=("auto", "onednn", "torch"), help="CPU linear layers"
+    )
     ap.add_argument("--workload", choices=("mixed", "longtail"), default="mixed")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--llama-slots", default="1,2,4,8,16")
@@ -302,6 +305,7 @@ def main() -> None:
 
     cfg = EngineConfig(
         dtype=args.dtype,
+        linear=args.linear,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -314,7 +318,8 @@ def main() -> None:
     print(
         f"workload {args.workload}: {wl.describe()}; {cpu}; kvflow {engine.info.dtype} "
         f"({engine.info.dtype_reason}), {engine.info.num_threads} threads, "
-        f"attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}",
+        f"linear layers {engine.info.linear}, attention {engine.info.attention}, "
+        f"KV cache {engine.info.kv_cache_dtype}",
         file=sys.stderr,
     )
     warm = Workload(wl.prompts[:2], [4, 4])
@@ -395,7 +400,7 @@ def main() -> None:
         step_profile.plot_curve(curve, choice, args.out / "batch_curve.png")
 
     base = "kvflow-continuous"
-    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
+    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, linear layers {engine.info.linear}, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
     md += table(results, base)
     if peer_runs:
         md += "\n\nllama-server by slot count (output tok/s): " + ", ".join(
