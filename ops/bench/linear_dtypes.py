@@ -95,6 +95,8 @@ def main() -> None:
         d: LLMEngine(EngineConfig(dtype=d, num_threads=1, max_num_seqs=64, num_kv_blocks=1200))
         for d in DTYPES
     }
+    for d, e in engines.items():
+        print(f"{d}: linear layers {e.info.linear}", file=sys.stderr)
     print("| batch | layer | " + " | ".join(f"{d} ms" for d in DTYPES) + " | int8 / float32 |")
     print("|---:|---|" + "---:|" * (len(DTYPES) + 1))
     for b in (int(x) for x in args.batches.split(",")):

@@ -272,6 +272,10 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
     matmul, alternating step by step (both copies of the weights held, swapped untimed)."""
     model, device = engine.runner.model, engine.runner.device.type
     chosen = engine.config.linear
+    try:
+        pack_linear_layers(model, "onednn", device)
+    except ValueError as e:
+        return f"(nothing to compare: {e})"
     weights: dict[str, list[tuple[llama_mod.Linear, torch.nn.Parameter]]] = {}
     for choice in ("onednn", "torch"):
         pack_linear_layers(model, choice, device)
@@ -354,6 +358,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
+    ap.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument(
         "--compare-layer-ops",
@@ -371,11 +376,16 @@ def main() -> None:
             dtype=args.dtype,
             max_num_seqs=64,
             attention=args.attention,
+            linear=args.linear,
             kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     info = engine.info
-    print(f"attention: {info.attention}; KV cache: {info.kv_cache_dtype}", file=sys.stderr)
+    print(
+        f"linear layers: {info.linear}; attention: {info.attention}; "
+        f"KV cache: {info.kv_cache_dtype}",
+        file=sys.stderr,
+    )
     if args.compare_layer_ops:
         print(compare_layer_ops(engine))
         return

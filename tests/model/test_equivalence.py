@@ -34,17 +34,23 @@ def _sched(rid: str, tokens: list[int], start: int, n: int, blocks: list[int]) -
     )
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
+@pytest.mark.parametrize(
+    ("attention", "linear"), [("native", "auto"), ("torch", "auto"), ("native", "torch")]
+)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_logits_match_reference(variant: str, attention: str, tiny_model_dir) -> None:
-    """Both decode attention paths: the C kernel reading blocks in place, the torch gather."""
+def test_logits_match_reference(variant: str, attention: str, linear: str, tiny_model_dir) -> None:
+    """Both decode attention paths: the C kernel reading blocks in place, the torch gather;
+    linear weights packed for oneDNN where torch has it, and torch's plain matmul."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir(variant)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = EngineConfig(model=str(path), block_size=BS, num_kv_blocks=64, attention=attention)
+    cfg = EngineConfig(
+        model=str(path), block_size=BS, num_kv_blocks=64, attention=attention, linear=linear
+    )
     runner = ModelRunner(cfg, load_model(str(path)))
     assert runner.info.attention.startswith(attention)
+    assert runner.info.linear.startswith("torch" if linear == "torch" else "oneDNN")
     # with the C attention kernel the layers' small ops run in C too (but for a q/k norm)
     takes_ops = attention == "native" and variant != "qwen3"
     assert (runner.layer_ops is not None) == (attention == "native")

@@ -13,7 +13,7 @@ from worker.model.llama import Linear, padded_rows
 from worker.model.loader import load_model
 from worker.model.packing import pack_linear_layers
 
-pytestmark = pytest.mark.skipif(
+needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
 )
 
@@ -27,9 +27,12 @@ def _linear(dtype: torch.dtype, bias: bool, seed: int) -> Linear:
     return m.requires_grad_(False)
 
 
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_bfloat16_equals_the_plain_matmul_bit_for_bit(rows: int, bias: bool) -> None:
+def test_packed_bfloat16_equals_the_plain_matmul(rows: int, bias: bool) -> None:
+    """Bit for bit on the CPUs measured (AMD EPYC with avx512_bf16); one bfloat16 step is
+    allowed, as another CPU's kernels (AMX) may block the sums of the two paths apart."""
     m = _linear(torch.bfloat16, bias, rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows + 1))
     plain = m(x)
@@ -39,11 +42,12 @@ def test_packed_bfloat16_equals_the_plain_matmul_bit_for_bit(rows: int, bias: bo
     with torch.inference_mode():
         packed = m(x)
     assert packed.shape == (rows, 160) and packed.dtype == torch.float32
-    assert torch.equal(packed, plain)
+    torch.testing.assert_close(packed, plain, rtol=2**-7, atol=1e-6)
     m.unpack()
     assert not m.packed and torch.equal(m.weight, weight)
 
 
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 13, 64, 300])
 def test_packed_float32_agrees_with_the_plain_matmul_and_pads_its_rows(rows: int) -> None:
     m = _linear(torch.float32, True, rows)
@@ -53,15 +57,28 @@ def test_packed_float32_agrees_with_the_plain_matmul_and_pads_its_rows(rows: int
     m.pack(64)
     # oneDNN builds a kernel per row count: packed float32 rows come in buckets too
     assert m.rows_for(rows) == padded_rows(rows)
+    seen: list[int] = []
+    matmul = m.matmul
+    m.matmul = lambda xp: seen.append(xp.shape[0]) or matmul(xp)  # type: ignore[method-assign]
     with torch.inference_mode():
         got = m(x)
         padded = m.matmul(m.narrow_input(x))
+    assert seen[0] == padded_rows(rows)  # forward pads too
     assert got.shape == (rows, 160)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert padded.shape == (padded_rows(rows), 160)
     torch.testing.assert_close(padded[:rows], want, rtol=1e-5, atol=1e-5)
 
 
+def test_same_dtype_rows_go_straight_to_the_matmul() -> None:
+    """bfloat16 rows into plain bfloat16 weights (CUDA's case) are neither copied nor padded."""
+    m = _linear(torch.bfloat16, False, 5)
+    m.narrow_input = None  # type: ignore[assignment,method-assign]  # any call fails
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(m(x), F.linear(x, m.weight))
+
+
+@needs_onednn
 def test_the_runner_packs_the_decoder_and_the_narrow_head_only(default_model_dir) -> None:
     loaded = load_model(str(default_model_dir), dtype="bfloat16")
     runner = ModelRunner(EngineConfig(num_kv_blocks=64), loaded)
@@ -69,14 +86,25 @@ def test_the_runner_packs_the_decoder_and_the_narrow_head_only(default_model_dir
     decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
     assert decoder and all(m.packed for m in decoder)
     assert isinstance(model.narrow_head, Linear) and model.narrow_head.packed
-    # the full-precision projection's rows are read one by one to re-score candidates
-    assert not model.embed_tokens.weight.is_mkldnn
     assert runner.info.linear == f"oneDNN, {len(decoder) + 1} weights packed at load"
 
 
+@needs_onednn
+def test_an_untied_full_projection_stays_plain(tiny_model_dir) -> None:
+    """Its rows are read one by one to re-score the narrow copy's candidates."""
+    path = str(tiny_model_dir("llama3"))  # untied lm_head
+    loaded = load_model(path, dtype="bfloat16")
+    loaded.model.narrow_output_projection(torch.bfloat16)
+    runner = ModelRunner(EngineConfig(model=path, block_size=4, num_kv_blocks=64), loaded)
+    assert runner.model.lm_head is not None and not runner.model.lm_head.packed
+    assert isinstance(runner.model.narrow_head, Linear) and runner.model.narrow_head.packed
+
+
+@needs_onednn
 def test_a_torch_runner_unpacks_a_model_packed_before(tiny_model_dir) -> None:
     path = str(tiny_model_dir("qwen2"))  # q/k/v biases
     loaded = load_model(path, dtype="bfloat16")
+    loaded.model.narrow_output_projection(torch.bfloat16)  # a packed narrow head, too
     cfg = EngineConfig(model=path, block_size=4, num_kv_blocks=64, dtype="bfloat16")
     packed = ModelRunner(cfg, loaded)
     assert packed.info.linear.startswith("oneDNN")
@@ -89,10 +117,12 @@ def test_a_torch_runner_unpacks_a_model_packed_before(tiny_model_dir) -> None:
     )
     assert plain.info.linear == "torch (set explicitly)"
     assert not any(m.packed for m in loaded.model.modules() if isinstance(m, Linear))
+    assert loaded.model.narrow_head is not None
     got = plain.all_logits([_sched("a", ids, 0, 19, list(range(5)))])["a"]
-    assert torch.equal(got, want)  # bfloat16: packing changes no bit
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bfloat16 rounding at most
 
 
+@needs_onednn
 def test_int8_layers_are_left_to_their_own_kernels(tiny_model_dir) -> None:
     loaded = load_model(str(tiny_model_dir("llama3")), dtype="int8")
     assert pack_linear_layers(loaded.model, "auto", "cpu") == (
@@ -100,6 +130,30 @@ def test_int8_layers_are_left_to_their_own_kernels(tiny_model_dir) -> None:
     )
     with pytest.raises(ValueError, match="linear 'onednn' is not available"):
         pack_linear_layers(loaded.model, "onednn", "cpu")
+
+
+@needs_onednn
+def test_a_packing_that_fails_leaves_every_weight_plain(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_model(str(tiny_model_dir("llama3")), dtype="bfloat16")
+    linears = [m for m in loaded.model.layers.modules() if isinstance(m, Linear)]
+    real_pack, calls = Linear.pack, []
+
+    def pack_then_fail(self: Linear, rows: int) -> None:
+        calls.append(self)
+        if len(calls) == 3:  # halfway: two weights are packed already
+            raise RuntimeError("no kernel for this dtype")
+        real_pack(self, rows)
+
+    monkeypatch.setattr(Linear, "pack", pack_then_fail)
+    why = pack_linear_layers(loaded.model, "auto", "cpu")
+    assert why == "torch (packing failed: no kernel for this dtype)"
+    assert not any(m.packed for m in linears)
+    calls.clear()
+    with pytest.raises(ValueError, match="packing failed"):
+        pack_linear_layers(loaded.model, "onednn", "cpu")
+    assert len(calls) == 3 and not any(m.packed for m in linears)
 
 
 def test_onednn_is_for_cpu() -> None:

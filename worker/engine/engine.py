@@ -85,7 +85,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(config, loaded, choice.reason)
         self.info: RuntimeInfo = self.runner.info
-        log.info("dtype %s (%s); %d threads", self.info.dtype, choice.reason, self.info.num_threads)
+        log.info(
+            "dtype %s (%s); %d threads; linear layers: %s; attention: %s",
+            self.info.dtype,
+            choice.reason,
+            self.info.num_threads,
+            self.info.linear,
+            self.info.attention,
+        )
         self.scheduler = Scheduler(config, self.info.num_blocks, self.info.max_model_len)
         self.operating_point: OperatingPoint | None = None
         if config.tune_batch:

@@ -6,8 +6,8 @@ copy is a large part of them: on an AMD EPYC with avx512_bf16 (2 threads, the de
 model's 121 linear layers, weights streaming from memory) a pass took 0.59x / 0.79x /
 0.96x the plain time in bfloat16 at 16 / 64 / 2048 rows with the weights packed once at
 load, and 0.44x / 0.60x in float32 at 16 / 64 (where the plain matmul is MKL's).
-bfloat16 results are bit for bit the plain matmul's; float32 ones differ in summation
-order only. Int8 layers keep torch's quantized kernels, which pack their own weights.
+bfloat16 results were bit for bit the plain matmul's there; float32 ones differ in
+summation order only. Int8 layers keep torch's quantized kernels, which pack their own weights.
 """
 
 from __future__ import annotations
@@ -27,16 +27,20 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
     projection's narrow copy as `choice` says ("auto", "onednn" or "torch"); returns the
     path taken and why, for the start-up log. Raises ValueError when "onednn" was asked
     for and cannot be had. The full-precision projection stays plain: its rows are read
-    one by one to re-score candidates, and a tied one is the embedding table."""
+    one by one to re-score candidates, and a tied one is the embedding table.
+
+    The weights are the model's: a runner built later on the same loaded model with
+    another choice changes them under the earlier runner too (each keeps computing
+    correctly, on the path the model now has; only its start-up description is stale)."""
     linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
     if isinstance(model.narrow_head, Linear):
         linears.append(model.narrow_head)
 
     def plain(why: str) -> str:
+        for m in linears:  # also after a packing that failed halfway
+            m.unpack()
         if choice == "onednn":
             raise ValueError(f"linear 'onednn' is not available: {why}")
-        for m in linears:
-            m.unpack()
         return f"torch ({why})"
 
     if choice == "torch":
@@ -53,4 +57,5 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
             m.pack(PACK_ROWS)
     except RuntimeError as e:  # a torch build whose oneDNN lacks the op for this dtype
         return plain(f"packing failed: {e}")
-    return f"oneDNN, {len(targets)} weights packed at load"
+    n = len(targets)
+    return f"oneDNN, {n} weight{'s' if n > 1 else ''} packed at load"
