@@ -1,5 +1,5 @@
 """The C layer ops (RMSNorm, rotary + K/V store, SiLU and multiply) equal the torch ops
-they replace, on the calling thread and on the OpenMP path (256 tokens and more)."""
+they replace, on the calling thread and on the OpenMP path (32 tokens and more)."""
 
 from __future__ import annotations
 
