@@ -269,7 +269,8 @@ def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> s
 
 def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
     """Decode steps with the linear weights packed for oneDNN and with torch's plain
-    matmul, alternating step by step (both copies of the weights held, swapped untimed)."""
+    matmul, alternating step by step (both copies of the weights held, swapped untimed);
+    then passes of the linear layers alone at the same batch, alternating likewise."""
     model, device = engine.runner.model, engine.runner.device.type
     chosen = engine.config.linear
     try:
@@ -290,19 +291,35 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
 
         return setup
 
-    lines = ["| batch | oneDNN, packed (ms) | torch, plain (ms) | packed / plain |"]
-    lines.append("|---:|---:|---:|---:|")
+    lines = [
+        "| batch | step, packed (ms) | step, plain (ms) | packed / plain "
+        "| linear layers alone, packed (ms) | plain (ms) | packed / plain |"
+    ]
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for batch in batches:
             med = _alternate(
                 engine, batch, {"packed": use("onednn"), "plain": use("torch")}, rounds
             )
-            ratio = med["packed"] / med["plain"]
-            lines.append(f"| {batch} | {med['packed']:.1f} | {med['plain']:.1f} | {ratio:.2f}x |")
+            passes: dict[str, list[float]] = {"onednn": [], "torch": []}
+            layers = {}
+            for choice in passes:
+                use(choice)()
+                layers[choice] = _linear_layers(engine, batch)
+            for _ in range(rounds):
+                for choice, times in passes.items():
+                    use(choice)()
+                    times.append(_linear_pass(layers[choice]) * 1000)
+            alone = {c: statistics.median(t) for c, t in passes.items()}
+            lines.append(
+                f"| {batch} | {med['packed']:.1f} | {med['plain']:.1f} "
+                f"| {med['packed'] / med['plain']:.2f}x | {alone['onednn']:.1f} "
+                f"| {alone['torch']:.1f} | {alone['onednn'] / alone['torch']:.2f}x |"
+            )
     finally:
         use("torch")()
         pack_linear_layers(model, chosen, device)
-    return f"Decode step, median of {rounds} steps each:\n\n" + "\n".join(lines)
+    return f"Decode step and linear layers alone, medians of {rounds} each:\n\n" + "\n".join(lines)
 
 
 CURVE_SIZES = (4, 8, 16, 32, 48, 64, 96, 128)
