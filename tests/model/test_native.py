@@ -99,14 +99,16 @@ def test_kernel_equals_the_torch_path(
 def test_kernel_reads_a_bfloat16_cache() -> None:
     """With a bf16 cache the kernel computes in float32 on the cache's values: it equals
     the float32 path run on the same (widened) values; on a CPU with avx512_bf16 the
-    scores take q rounded to bfloat16 (vdpbf16ps on the stored keys), so the reference
-    does too there (and only there: with q as it is, it would be off by ~1e-3)."""
+    scores take q rounded to bfloat16 (vdpbf16ps on the stored keys; the library says
+    so), and the reference does too there (with q as it is, it would be off by ~1e-3)."""
     loaded = load_native()
     assert loaded.kernels is not None, loaded.reason
     bs = 16
     q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=11)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
-    q_scores = q.bfloat16().float() if "avx512_bf16" in read_cpu_flags() else q
+    # on where the CPU has the instruction and the compiler knows it; never elsewhere
+    assert not loaded.kernels.bf16_scores or "avx512_bf16" in read_cpu_flags()
+    q_scores = q.bfloat16().float() if loaded.kernels.bf16_scores else q
     want = _torch_path(q_scores, k16.float(), v16.float(), tables, lens, bs, None)
     got = torch.full_like(q, float("nan"))
     args = (tables.to(torch.int32), lens.to(torch.int32), got, 64**-0.5, 0)

@@ -44,6 +44,12 @@ class NativeKernels:
     lib: ctypes.CDLL
     path: Path
 
+    @property
+    def bf16_scores(self) -> bool:
+        """Whether a bfloat16 cache's scores take q rounded to bfloat16 (vdpbf16ps on a
+        CPU with avx512_bf16) rather than q as it is."""
+        return bool(self.lib.kvflow_bf16_scores())
+
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
@@ -254,6 +260,8 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     for fn in (lib.kvflow_paged_decode_f32, lib.kvflow_paged_decode_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.kvflow_bf16_scores.restype = ctypes.c_int
+    lib.kvflow_bf16_scores.argtypes = []
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_rms_norm.argtypes = (
         [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2

@@ -463,6 +463,16 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
     return failed;
 }
 
+/* 1 where a bfloat16 cache's scores take q rounded to bfloat16 (this build's CPU has
+ * avx512_bf16), else 0: the caller's tests compare against the matching reference. */
+int kvflow_bf16_scores(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int kvflow_paged_decode_f32(const float *q, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens,
                             float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
