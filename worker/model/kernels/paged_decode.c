@@ -118,14 +118,14 @@ static inline __attribute__((always_inline)) __m512 score16(const float *restric
 }
 
 #if defined(__AVX512BF16__)
-#define QB_MAX 4096
+#define QB_MAX 4096 /* G * D of the query heads rounded to bfloat16 on the stack */
 
 static inline float bf16_value(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-} /* G * D of the query heads rounded to bfloat16 on the stack */
+}
 
 /* score16 straight from a bfloat16 cache: q [D] rounded to bfloat16 once per pair, kb
  * [16, D] as stored; vdpbf16ps sums pairs of products in float32 (D a multiple of 32).
