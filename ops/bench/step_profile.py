@@ -5,9 +5,14 @@
     python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
 
 `profile_decode` fills the engine with `batch` sequences (prompts of `context` tokens),
-then runs decode-only steps under the torch profiler with the model's linear layers,
-attention and the sampler labelled; what is left of a step is bookkeeping (scheduling,
-inputs, output processing) and the model's other ops (norms, rotary, residual adds).
+then runs decode-only steps with the model's linear layers, attention, forward pass and
+sampler timed as they run (wall-clock timers around each call; CPU calls are synchronous,
+CUDA ones are synchronised around each timer), or with `--torch-profiler` under the
+torch profiler with the same calls labelled. What is left of a step is bookkeeping
+(scheduling, inputs, output processing) and the model's other ops (norms, rotary,
+residual adds). The timers are the default because the profiler's own cost per op lands
+unevenly: on an Intel Xeon with AMX it put the linear layers of a batch-64 step at 42-44
+ms where timers (and passes of the layers alone) give 26-27.
 Between the timed steps it times the same linear layers alone on random inputs of the
 same batch size and dtype: the tokens/s a decode step could reach if nothing else cost
 anything (the best pass is the limit; the share against the median pass compares like
@@ -57,20 +62,53 @@ class StepProfile:
         return self.batch / (self.step_ms / 1000)
 
 
+class PhaseTimers:
+    """Seconds per label, each call timed only where no call of the same label is already
+    running (the output projection's matmul inside `compute_logits` counts once); linear
+    layers called inside the forward pass are kept apart ("kv.linear in forward")."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.totals: dict[str, float] = {}
+        self._active: set[str] = set()
+        self._sync = sync
+
+    def timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            if label in self._active:
+                return fn(*a, **kw)
+            self._sync()
+            self._active.add(label)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._sync()
+                self._active.discard(label)
+                inside = label == "kv.linear" and "kv.forward" in self._active
+                key = label + (" in forward" if inside else "")
+                self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - t0
+
+        return call
+
+
+def _profiled(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    def call(*a: Any, **kw: Any) -> Any:
+        with record_function(label):
+            return fn(*a, **kw)
+
+    return call
+
+
 @contextmanager
-def _labelled(engine: LLMEngine) -> Iterator[None]:
-    """Label linear layers, attention, the forward pass and sampling for the profiler."""
+def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[None]:
+    """Label linear layers, attention, the forward pass and sampling: timed by `timers`,
+    else for the torch profiler."""
     saved: list[tuple[Any, str, Any, bool]] = []
 
     def wrap(owner: Any, name: str, label: str) -> None:
         fn = getattr(owner, name)
         saved.append((owner, name, fn, name in vars(owner)))
-
-        def labelled(*a: Any, **kw: Any) -> Any:
-            with record_function(label):
-                return fn(*a, **kw)
-
-        setattr(owner, name, labelled)
+        setattr(owner, name, _profiled(fn, label) if timers is None else timers.timed(fn, label))
 
     wrap(llama_mod, "paged_attention", "kv.attention")
     # a Linear's forward is narrow_input, matmul, then the cast back; the C layer ops
@@ -107,14 +145,19 @@ def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
 
 
 def profile_decode(
-    engine: LLMEngine, batch: int, context: int = 256, steps: int = 12, repeats: int = 25
+    engine: LLMEngine,
+    batch: int,
+    context: int = 256,
+    steps: int = 12,
+    repeats: int = 25,
+    torch_profiler: bool = False,
 ) -> StepProfile:
     """`steps` decode-only steps at `batch` sequences of about `context` tokens timed as
     they run (the median is the step time), each followed by one timed pass of the linear
     layers alone (more passes after, `repeats` in all), so that both see
-    the same moments of a noisy machine; then `steps` more under the profiler for the
-    split (the profiler's own cost per op, ~3-27 ms of a batch-64 step here, stays out of
-    the step time; it lands in the split's bookkeeping)."""
+    the same moments of a noisy machine; then `steps` more, timed per phase (or under the
+    torch profiler) for the split; the timers' or the profiler's own cost stays out of
+    the step time."""
     _fill(engine, batch, context, 2 * steps)
     layers = _linear_layers(engine, batch)
     times, passes = [], []
@@ -125,29 +168,38 @@ def profile_decode(
         passes.append(_linear_pass(layers))
     between = statistics.median(passes)
     passes += [_linear_pass(layers) for _ in range(max(0, repeats - steps))]
-    with _labelled(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        profiled = (time.perf_counter() - t0) / steps * 1000
+    if torch_profiler:
+        with _labelled(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            split = (time.perf_counter() - t0) / steps * 1000
+        totals = {e.key: e.cpu_time_total / 1000 / steps for e in prof.key_averages()}
+        # compute_logits runs outside forward; its time is in "linear" but not "forward".
+        inside = _inside_forward_linear(prof, steps)
+        logits = totals.get("kv.linear", 0.0) - inside
+    else:
+        cuda = engine.runner.device.type == "cuda"
+        timers = PhaseTimers(torch.cuda.synchronize if cuda else lambda: None)
+        with _labelled(engine, timers):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            split = (time.perf_counter() - t0) / steps * 1000
+        totals = {k: v * 1000 / steps for k, v in timers.totals.items()}  # ms per step
+        inside = totals.get("kv.linear in forward", 0.0)
+        logits = totals.get("kv.linear", 0.0)
     engine.abort(list(engine.scheduler.requests))
     wall = statistics.median(times) * 1000
-    totals: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.key.startswith("kv."):
-            totals[e.key] = e.cpu_time_total / 1000 / steps  # ms per step
-    linear = totals.get("kv.linear", 0.0)
     attention = totals.get("kv.attention", 0.0)
     forward = totals.get("kv.forward", 0.0)
     sampling = totals.get("kv.sampling", 0.0)
-    # compute_logits runs outside forward; its time is in "linear" but not "forward".
-    logits = linear - _inside_forward_linear(prof, steps)
     phases = {
-        "linear": linear,
+        "linear": inside + logits,
         "attention": attention,
         "sampling": sampling,
-        "other model ops": max(0.0, forward - (linear - logits) - attention),
-        "bookkeeping": max(0.0, profiled - forward - logits - sampling),
+        "other model ops": max(0.0, forward - inside - attention),
+        "bookkeeping": max(0.0, split - forward - logits - sampling),
     }
     return StepProfile(batch, wall, phases, batch / min(passes), batch / between)
 
@@ -202,14 +254,17 @@ def _linear_pass(layers: list[Layer]) -> float:
 
 
 def run(
-    engine: LLMEngine, batches: tuple[int, ...], progress: Callable[[str], None] | None = None
+    engine: LLMEngine,
+    batches: tuple[int, ...],
+    progress: Callable[[str], None] | None = None,
+    torch_profiler: bool = False,
 ) -> list[StepProfile]:
     """A decode step's profile, with the linear-layer limit, for each batch size."""
     out = []
     for b in batches:
         if progress is not None:
             progress(f"profiling decode at batch {b}")
-        out.append(profile_decode(engine, b))
+        out.append(profile_decode(engine, b, torch_profiler=torch_profiler))
     return out
 
 
@@ -387,6 +442,11 @@ def main() -> None:
         action="store_true",
         help="only time decode steps with packed linear weights against torch's plain matmul",
     )
+    ap.add_argument(
+        "--torch-profiler",
+        action="store_true",
+        help="split the step under the torch profiler rather than with timers",
+    )
     args = ap.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -410,7 +470,7 @@ def main() -> None:
     if args.compare_linear:
         print(compare_linear(engine, batches))
         return
-    rows = run(engine, batches, lambda m: print(m, file=sys.stderr))
+    rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
     print(table(rows, engine.info.dtype))
 
 
