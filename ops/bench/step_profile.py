@@ -431,7 +431,9 @@ def main() -> None:
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
     ap.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8")
+    )
     ap.add_argument(
         "--compare-layer-ops",
         action="store_true",

@@ -158,18 +158,22 @@ def test_an_int8_output_projection_keeps_float32_picks(default_model_dir) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8"])
 def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: str) -> None:
     """Teacher forcing through decode steps (each position one token, read back from the
     KV cache as a running sequence is): with bf16 linear layers and a float32 or bf16
-    cache, the next token equals float32's greedy pick at >= 99% of positions."""
+    cache, the next token equals float32's greedy pick at >= 99% of positions. An int8
+    cache (explicit only: `auto` never picks it) misses that bar: 1007 of 1024 measured
+    (Intel Xeon with AMX); held to 97% so that a broken quantization still fails."""
     ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
     cfg = EngineConfig(num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, attention="native")
     bf16 = ModelRunner(cfg, load_model(str(default_model_dir), dtype="bfloat16"))
     assert bf16.kv_dtype == getattr(torch, kv_cache_dtype)
     agree, total = _decode_agreement(bf16, ids, outs)
+    print(f"{kv_cache_dtype} cache: {agree}/{total}")
     assert total == 64 * len(AGREEMENT_PROMPTS)
-    assert agree / total >= 0.99, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"
+    bar = 0.97 if kv_cache_dtype == "int8" else 0.99
+    assert agree / total >= bar, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"
 
 
 # Int8 linear layers miss the 99% bar on this model (worker.hardware.INT8_AGREEMENT);

@@ -119,14 +119,14 @@ def test_bfloat16_close_to_reference(tiny_model_dir) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("attention", ["native", "torch"])
 def test_bfloat16_decode_close_to_reference(
     attention: str, kv_cache_dtype: str, tiny_model_dir
 ) -> None:
     """bf16 linear layers' decode rows, through either attention path and either cache
-    dtype (a bf16 cache is widened to float32 where it is read), stay as close to
-    transformers' bf16 model as its prefill does."""
+    dtype (a bf16 cache is widened to float32 where it is read, an int8 one dequantized),
+    stay as close to transformers' bf16 model as its prefill does."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("smollm2")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
+from worker.model.attention import quantize_rows, widen
 from worker.model.llama import RMSNorm, Rotary
 from worker.model.loader import load_model
 from worker.model.native import NativeKernels, load_native
@@ -152,6 +153,45 @@ def test_rope_store_rotates_and_stores_k_and_v(
         assert torch.count_nonzero(untouched) == 0
 
 
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
+    ops: NativeKernels, qkv_dtype: torch.dtype
+) -> None:
+    """An int8 cache takes each token's K and V rows as `quantize_rows` makes them from the
+    kernel's own float32 k and v: the same int8 values and float32 scale, byte for byte;
+    an all-zero row gets scale 0; nothing outside the tokens' slots is written."""
+    heads, kv_heads, dim, bs, num_blocks, tokens = 6, 2, 64, 16, 32, 40
+    g = torch.Generator().manual_seed(17)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    qkv[3, (heads + kv_heads) * dim : (heads + kv_heads + 1) * dim] = 0  # one V row all zero
+    qkv = qkv.to(qkv_dtype)
+    positions = torch.randint(0, 2048, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos, sin = freqs.cos(), freqs.sin()
+    k_cache = torch.zeros(num_blocks, kv_heads, bs, dim + 4, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+
+    _, k_out, v_out = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads)
+
+    stored_k = k_cache[slots // bs, :, slots % bs]  # [T, KVH, D + 4]
+    stored_v = v_cache[slots // bs, :, slots % bs]
+    assert torch.equal(stored_k, quantize_rows(k_out))
+    assert torch.equal(stored_v, quantize_rows(v_out))
+    assert torch.equal(stored_v[3, 0], torch.zeros(dim + 4, dtype=torch.int8))
+    # dequantized, each row is within half a step (max / 254) of what was stored
+    err = (widen(stored_k, torch.float32) - k_out).abs().amax(-1)
+    assert bool((err <= k_out.abs().amax(-1) / 254 * 1.0001).all())
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool)
+    written[slots] = True
+    for cache in (k_cache, v_cache):
+        untouched = cache.permute(0, 2, 1, 3).reshape(num_blocks * bs, -1)[~written]
+        assert torch.count_nonzero(untouched) == 0
+    with pytest.raises(ValueError, match="cache rows of 68"):
+        narrow = torch.zeros(num_blocks, kv_heads, bs, dim, dtype=torch.int8)
+        ops.rope_store(qkv, cos, sin, slots, narrow, narrow.clone(), heads)
+
+
 def test_layer_ops_refuse_what_they_cannot_read(ops: NativeKernels) -> None:
     x = torch.randn(8, 64)
     w = torch.ones(64)
@@ -180,13 +220,17 @@ def test_layer_ops_refuse_what_they_cannot_read(ops: NativeKernels) -> None:
 
 
 @pytest.mark.parametrize("variant", ["llama3", "smollm2", "mistral", "qwen2"])
-@pytest.mark.parametrize(("dtype", "kv"), [("float32", "float32"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize(
+    ("dtype", "kv"),
+    [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "int8"), ("bfloat16", "int8")],
+)
 def test_layer_ops_path_equals_the_torch_path(
     variant: str, dtype: str, kv: str, tiny_model_dir
 ) -> None:
     """The same steps (a prefill; then decode rows, a fresh prefill and a chunk continuing
     a cached prompt, mixed) through the C layer ops and through the torch ops, both with
-    the C attention kernel: logits and caches agree (bfloat16 layers: padded rows)."""
+    the C attention kernel: logits and caches agree (bfloat16 layers: padded rows; an int8
+    cache: the C store's rows and torch's `quantize_rows`, compared dequantized)."""
     from tests.model.test_equivalence import _sched
 
     path = tiny_model_dir(variant)
@@ -217,8 +261,9 @@ def test_layer_ops_path_equals_the_torch_path(
         )
         out += [step["a"], step["b"]]
         logits.append(out)
-        caches.append([c[:15].float() for pair in runner.kv_caches for c in pair])
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == "float32" else {"atol": 2e-2, "rtol": 1e-2}
+        caches.append([widen(c[:15], torch.float32) for pair in runner.kv_caches for c in pair])
+    exact = dtype == "float32" and kv == "float32"
+    tol = {"atol": 1e-4, "rtol": 1e-4} if exact else {"atol": 2e-2, "rtol": 1e-2}
     for got, want in zip(*logits, strict=True):
         torch.testing.assert_close(got, want, **tol)
     for got, want in zip(*caches, strict=True):

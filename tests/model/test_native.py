@@ -14,6 +14,8 @@ from worker.model.attention import (
     Workspace,
     decode_mask,
     paged_attention,
+    quantize_rows,
+    widen,
 )
 from worker.model.native import load_native
 
@@ -32,7 +34,12 @@ def _case(n: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
     return q, k_cache, v_cache, tables, lens
 
 
-def _meta(groups: list[DecodeGroup], in_place: InPlaceDecode | None, bs: int) -> AttentionMetadata:
+def _meta(
+    groups: list[DecodeGroup],
+    in_place: InPlaceDecode | None,
+    bs: int,
+    cache_dtype: torch.dtype = torch.float32,
+) -> AttentionMetadata:
     empty = torch.empty(0, dtype=torch.int64)  # no new K/V: the caches are filled already
     return AttentionMetadata(
         slot_mapping=empty,
@@ -42,7 +49,7 @@ def _meta(groups: list[DecodeGroup], in_place: InPlaceDecode | None, bs: int) ->
         prefills=[],
         in_place=in_place,
         block_size=bs,
-        workspace=Workspace(torch.device("cpu"), torch.float32),
+        workspace=Workspace(torch.device("cpu"), cache_dtype),  # gathers of cache rows
     )
 
 
@@ -53,7 +60,7 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
     group = DecodeGroup(
         0, n, rows, tables.shape[1], decode_mask(lens, tables.shape[1] * bs, window)
     )
-    meta = _meta([group], None, bs)
+    meta = _meta([group], None, bs, k_cache.dtype)
     no_kv = torch.empty(0, kvh, dim)
     return paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, dim**-0.5)
 
@@ -114,8 +121,31 @@ def test_kernel_reads_a_bfloat16_cache() -> None:
     args = (tables.to(torch.int32), lens.to(torch.int32), got, 64**-0.5, 0)
     loaded.kernels.paged_decode(q, k16, v16, *args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or int8"):
         loaded.kernels.paged_decode(q, k_cache.half(), v_cache.half(), *args)
+
+
+def test_kernel_reads_an_int8_cache() -> None:
+    """An int8 cache (rows of D values and their float32 scale): the kernel equals the
+    float32 path run on the dequantized values, scores and sums in float32."""
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    for bs, heads, kv_heads, dim, window in ((16, 9, 3, 64, None), (4, 8, 2, 32, 5)):
+        q, k_cache, v_cache, tables, lens = _case(9, heads, kv_heads, dim, bs, seed=bs + dim)
+        k8, v8 = quantize_rows(k_cache), quantize_rows(v_cache)
+        assert k8.shape == (*k_cache.shape[:3], dim + 4) and k8.dtype == torch.int8
+        kw, vw = widen(k8, torch.float32), widen(v8, torch.float32)
+        want = _torch_path(q, kw, vw, tables, lens, bs, window)
+        got = torch.full_like(q, float("nan"))
+        args = (tables.to(torch.int32), lens.to(torch.int32), got, dim**-0.5, window or 0)
+        loaded.kernels.paged_decode(q, k8, v8, *args)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        # the same through paged_attention's gather path, which dequantizes in torch
+        torch.testing.assert_close(
+            _torch_path(q, k8, v8, tables, lens, bs, window), want, atol=1e-6, rtol=1e-6
+        )
+    with pytest.raises(ValueError, match="cache rows of 36"):
+        loaded.kernels.paged_decode(q, k8[..., :dim], v8[..., :dim], *args)
 
 
 def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel() -> None:
@@ -182,9 +212,15 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
             EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv),
             load_model(path, dtype="bfloat16"),
         )
-        for kv in ("auto", "float32", "bfloat16")
+        for kv in ("auto", "float32", "bfloat16", "int8")
     }
     auto, wide, narrow = runners["auto"], runners["float32"], runners["bfloat16"]
+    # int8 rows: D values and a float32 scale, in the same bytes (smollm2's tiny D is 16)
+    i8, dim = runners["int8"], wide.kv_caches[0][0].shape[-1]
+    assert i8.kv_dtype == torch.int8 and i8.info.kv_cache_dtype == "int8 (set explicitly)"
+    assert all(k.shape[-1] == v.shape[-1] == dim + 4 for k, v in i8.kv_caches)
+    rows_per_block = wide.info.kv_cache_bytes // wide.info.num_blocks // (4 * dim)  # K and V
+    assert i8.info.num_blocks == (8 << 20) // (rows_per_block * (dim + 4))
     assert wide.kv_dtype == torch.float32 and narrow.kv_dtype == torch.bfloat16
     assert wide.info.kv_cache_dtype == "float32 (set explicitly)"
     assert narrow.info.kv_cache_dtype == "bfloat16 (set explicitly)"

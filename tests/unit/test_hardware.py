@@ -86,7 +86,12 @@ def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
     with pytest.raises(ValueError, match="model's dtype"):
         choose_kv_dtype("float32", "cuda", "bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        choose_kv_dtype("int8", "cpu", "float32")
+        choose_kv_dtype("float16", "cpu", "float32")
+    # int8 only when asked for, on CPU (under the agreement bar: auto never takes it)
+    assert choose_kv_dtype("int8", "cpu", "float32").dtype == "int8"
+    assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True).dtype != "int8"
+    with pytest.raises(ValueError, match="model's dtype"):
+        choose_kv_dtype("int8", "cuda", "bfloat16")
 
 
 def test_flags_come_from_the_first_processor() -> None:

@@ -18,6 +18,7 @@ from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.hardware import advise_huge_pages, choose_kv_dtype, detect_cores
 from worker.model.attention import (
+    I8_SCALE_BYTES,
     AttentionMetadata,
     DecodeGroup,
     InPlaceDecode,
@@ -95,20 +96,17 @@ class ModelRunner:
             dtype_name(loaded),
             self.native is not None,
         )
-        self.kv_dtype = DTYPES[kv.dtype]  # the KV cache's
+        # the KV cache's; int8 rows hold D values and their float32 scale (quantize_rows)
+        self.kv_dtype = torch.int8 if kv.dtype == "int8" else DTYPES[kv.dtype]
+        row = mcfg.head_dim + I8_SCALE_BYTES if kv.dtype == "int8" else mcfg.head_dim
         # bytes of K and V for one block across all layers
         block_bytes = (
-            2
-            * mcfg.num_layers
-            * self.block_size
-            * mcfg.num_kv_heads
-            * mcfg.head_dim
-            * self.kv_dtype.itemsize
+            2 * mcfg.num_layers * self.block_size * mcfg.num_kv_heads * row * self.kv_dtype.itemsize
         )
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
         self.num_kv_heads = mcfg.num_kv_heads
         # Head-major blocks (worker.model.attention explains why).
-        shape = (num_blocks, mcfg.num_kv_heads, self.block_size, mcfg.head_dim)
+        shape = (num_blocks, mcfg.num_kv_heads, self.block_size, row)
         self.kv_caches = [
             (self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(mcfg.num_layers)
         ]

@@ -111,17 +111,50 @@ class AttentionMetadata:
     layer_ops: NativeKernels | None = None
 
 
+I8_SCALE_BYTES = 4  # an int8 cache row: D values, then their float32 scale
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D + 4] int8 cache rows: round(x * 127 / max|x|), then the row's
+    float32 scale max|x| / 127 as 4 bytes (the C store's format, worker.model.native).
+    One scale per token and KV head: a row's error is at most half its step, 1/254 of
+    its largest value."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
+    # 127 / amax as one IEEE division (a scalar over a tensor is torch's reciprocal, then
+    # a product: two roundings), as the C store computes it
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div_(amax), 0.0)
+    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    scale = (amax / 127.0).contiguous().view(torch.int8)  # [..., 4]
+    return torch.cat([q, scale], -1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D + 4] int8 cache rows -> [..., D] in `dtype`."""
+    D = rows.shape[-1] - I8_SCALE_BYTES
+    scale = rows[..., D:].contiguous().view(torch.float32)  # [..., 1]
+    return (rows[..., :D].float() * scale).to(dtype)
+
+
+def widen(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as `dtype` values: int8 rows dequantized, others cast."""
+    return dequantize_rows(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
+
+
 def store_kv(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
+    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: D + 4, see quantize_rows)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
     """Write this step's K/V into their cache slots."""
     # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is. The
     # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
-    # stream on CPU): values are rounded as they are stored, and widened where read.
+    # stream on CPU): values are rounded as they are stored, and widened where read; an
+    # int8 cache takes each row quantized with its scale.
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_rows(k), quantize_rows(v)
     k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
@@ -130,7 +163,7 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
+    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: D + 4, see quantize_rows)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -140,7 +173,8 @@ def paged_attention(
     kvh = k_cache.shape[1]
     group = H // kvh
     out = torch.empty((q.shape[0], H, D), dtype=q.dtype, device=q.device)
-    run_elems = meta.block_size * D  # one head's keys in one block
+    row = k_cache.shape[-1]  # D, or D + 4 for int8 rows with their scale
+    run_elems = meta.block_size * row  # one head's keys in one block
     k_runs = k_cache.view(-1, run_elems)  # [num_blocks * KVH, block_size * D]
     v_runs = v_cache.view(-1, run_elems)
     ws = meta.workspace
@@ -174,8 +208,8 @@ def paged_attention(
         rows = g.gather_index.numel()
         kg = torch.index_select(k_runs, 0, g.gather_index, out=ws.get("k", rows, run_elems))
         vg = torch.index_select(v_runs, 0, g.gather_index, out=ws.get("v", rows, run_elems))
-        kg = kg.view(n * kvh, L, D).to(q.dtype)  # contiguous per (sequence, KV head)
-        vg = vg.view(n * kvh, L, D).to(q.dtype)
+        kg = widen(kg.view(n * kvh, L, row), q.dtype)  # contiguous per (sequence, KV head)
+        vg = widen(vg.view(n * kvh, L, row), q.dtype)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
         # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf.
         s = torch.bmm(qg, kg.transpose(1, 2)).float().mul_(scale)
@@ -193,8 +227,8 @@ def paged_attention(
             total = p.num_context + (p.end - p.start)
             kp = torch.index_select(k_runs, 0, p.gather_index, out=ws.get("k", rows, run_elems))
             vp = torch.index_select(v_runs, 0, p.gather_index, out=ws.get("v", rows, run_elems))
-            kp = kp.view(kvh, -1, D)[:, :total].to(q.dtype)  # [KVH, total, D]
-            vp = vp.view(kvh, -1, D)[:, :total].to(q.dtype)
+            kp = widen(kp.view(kvh, -1, row)[:, :total], q.dtype)  # [KVH, total, D]
+            vp = widen(vp.view(kvh, -1, row)[:, :total], q.dtype)
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]

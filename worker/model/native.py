@@ -35,6 +35,9 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
 KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and out: float32)
+# int8 caches hold rows of D values and then their float32 scale: [NB, KVH, BS, D + 4]
+# bytes (worker.model.attention.quantize_rows)
+I8_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class NativeKernels:
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
         v_cache: torch.Tensor,  # like k_cache
         block_tables: torch.Tensor,  # [n, max_blocks] int32
         context_lens: torch.Tensor,  # [n] int32
@@ -63,13 +66,12 @@ class NativeKernels:
     ) -> None:
         n, H, D = q.shape
         _, KVH, BS, _ = k_cache.shape
-        if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"the C kernel reads a float32 or bfloat16 cache, not {k_cache.dtype}")
-        entry = (
-            self.lib.kvflow_paged_decode_bf16
-            if k_cache.dtype == torch.bfloat16
-            else (self.lib.kvflow_paged_decode_f32)
-        )
+        _check_cache(k_cache, v_cache, D, "reads")
+        entry = {
+            torch.float32: self.lib.kvflow_paged_decode_f32,
+            torch.bfloat16: self.lib.kvflow_paged_decode_bf16,
+            torch.int8: self.lib.kvflow_paged_decode_i8,
+        }[k_cache.dtype]
         failed = entry(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -162,7 +164,7 @@ class NativeKernels:
         cos: torch.Tensor,  # [T, D/2] float32, contiguous
         sin: torch.Tensor,
         slots: torch.Tensor,  # [T] int64 cache slots, each < NB * BS (the caller's word)
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
         v_cache: torch.Tensor,
         num_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,13 +172,13 @@ class NativeKernels:
         of qkv, rotary applied to q and k; each token's k and v into its cache slot."""
         _check_rows(qkv)
         _check_rows(cos, sin, float32_only=True)
-        _, KVH, BS, D = k_cache.shape
-        if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"the C kernel writes a float32 or bfloat16 cache, not {k_cache.dtype}")
-        _expect(v_cache.shape == k_cache.shape and k_cache.is_contiguous(), "caches alike", v_cache)
+        _, KVH, BS, _ = k_cache.shape
         T, H = cos.shape[0], num_heads
-        _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
+        D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and a scale)
         _expect(qkv.shape[0] >= T and qkv.shape[1] == (H + 2 * KVH) * D, "qkv rows", qkv)
+        _check_cache(k_cache, v_cache, D, "writes")
+        _expect(v_cache.shape == k_cache.shape and k_cache.is_contiguous(), "caches alike", v_cache)
+        _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
         _expect(slots.dtype == torch.int64 and slots.shape == (T,), f"{T} int64 slots", slots)
         out = torch.empty(T * (H + 2 * KVH) * D, dtype=torch.float32)
         self.lib.kvflow_rope_store(
@@ -194,9 +196,19 @@ class NativeKernels:
             BS,
             qkv.dtype == torch.bfloat16,
             k_cache.dtype == torch.bfloat16,
+            k_cache.dtype == torch.int8,
         )
         q, k, v = torch.split(out, [T * H * D, T * KVH * D, T * KVH * D])
         return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (*KV_DTYPES, torch.int8):
+        raise TypeError(
+            f"the C kernel {verb} a float32, bfloat16 or int8 cache, not {k_cache.dtype}"
+        )
+    row = D + I8_SCALE_BYTES if k_cache.dtype == torch.int8 else D
+    _expect(k_cache.dim() == 4 and k_cache.shape[-1] == row, f"cache rows of {row}", k_cache)
 
 
 def _expect(ok: bool, what: str, got: object) -> None:
@@ -257,7 +269,11 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     except OSError as e:
         target.unlink(missing_ok=True)  # rebuilt next time rather than failing for ever
         return NativeLoad(None, f"the C kernels did not load ({e})")
-    for fn in (lib.kvflow_paged_decode_f32, lib.kvflow_paged_decode_bf16):
+    for fn in (
+        lib.kvflow_paged_decode_f32,
+        lib.kvflow_paged_decode_bf16,
+        lib.kvflow_paged_decode_i8,
+    ):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.kvflow_bf16_scores.restype = ctypes.c_int
@@ -269,7 +285,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
     lib.kvflow_rope_store.restype = None
-    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7
+    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

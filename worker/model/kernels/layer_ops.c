@@ -22,7 +22,9 @@
  *   k [T, KVH, D], then v [T, KVH, D], float32, each contiguous (the attention kernel and
  *   the prefill path take them as they are)
  *   cos, sin [T, D / 2] float32 (the token's position's angles)
- *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D]
+ *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D], or with an
+ *   int8 cache (cache_i8) [NB, KVH, BS, D + 4] bytes: each row's D values rounded to
+ *   int8 against the row's absolute maximum, then its float32 scale (maximum / 127)
  * The `*_bf16` flags say which of the rows are bfloat16 (else float32); bfloat16 results
  * are rounded to nearest even, as torch rounds.
  *
@@ -143,6 +145,20 @@ void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in
 
 /* heads [heads, D] of a row of either dtype -> dst [heads, D] float32, rotated:
  * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
+/* One row of D values into an int8 cache row [D + 4]: q = round(x * 127 / max |x|), then
+ * the scale max |x| / 127 (0 for a zero row). Plain IEEE arithmetic here, not the
+ * library's -ffast-math (which divides by 127 as a multiplication by its rounded
+ * reciprocal): the rows are torch's `quantize_rows`, byte for byte. */
+__attribute__((optimize("no-fast-math"), noinline)) static void
+store_i8(char *restrict dst, const float *restrict x, int D) {
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const float sc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t *q = (int8_t *)dst;
+    for (int d = 0; d < D; d++) q[d] = (int8_t)lrintf(fminf(fmaxf(x[d] * inv, -127.0f), 127.0f));
+    memcpy(dst + D, &sc, sizeof sc);
+}
+
 static inline __attribute__((always_inline)) void
 rotate(const void *src, float *restrict dst, const float *restrict cs, const float *restrict sn,
        int heads, int D, const int in_bf16) {
@@ -161,8 +177,8 @@ rotate(const void *src, float *restrict dst, const float *restrict cs, const flo
 
 static inline __attribute__((always_inline)) void
 rope_store(const void *qkv, float *out, const float *cos, const float *sin, const int64_t *slots,
-           void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, const int in_bf16,
-           const int cache_bf16) {
+           void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, int cache_i8,
+           const int in_bf16, const int cache_bf16) {
     const int width = (H + 2 * KVH) * D;
     float *q_out = out, *k_out = q_out + (size_t)T * H * D, *v_out = k_out + (size_t)T * KVH * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
@@ -177,7 +193,13 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
         for (int i = 0; i < KVH * D; i++) v[i] = load(vsrc, i, in_bf16);
         const int64_t block = slots[t] / BS, off = slots[t] % BS;
         for (int h = 0; h < KVH; h++) {
-            const size_t at = (((size_t)block * KVH + h) * BS + (size_t)off) * D;
+            const size_t row = ((size_t)block * KVH + h) * BS + (size_t)off;
+            if (cache_i8) {
+                store_i8((char *)k_cache + row * (D + 4), k + h * D, D);
+                store_i8((char *)v_cache + row * (D + 4), v + h * D, D);
+                continue;
+            }
+            const size_t at = row * D;
             char *kc = (char *)k_cache + at * (cache_bf16 ? 2 : 4);
             char *vc = (char *)v_cache + at * (cache_bf16 ? 2 : 4);
             for (int d = 0; d < D; d++) {
@@ -190,7 +212,7 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
 
 void kvflow_rope_store(const void *qkv, float *out, const float *cos, const float *sin,
                        const int64_t *slots, void *k_cache, void *v_cache, int T, int H, int KVH,
-                       int D, int BS, int in_bf16, int cache_bf16) {
+                       int D, int BS, int in_bf16, int cache_bf16, int cache_i8) {
     WITH_FLAGS(rope_store, in_bf16, cache_bf16, qkv, out, cos, sin, slots, k_cache, v_cache, T, H,
-               KVH, D, BS);
+               KVH, D, BS, cache_i8);
 }

@@ -13,7 +13,9 @@
  *   context_lens [n] int32            (keys visible to the query, its own included)
  * window > 0 limits the keys to the last `window` positions (sliding-window attention).
  * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
- * a float32): scores, softmax and sums stay float32. Where the CPU has avx512_bf16 (and
+ * a float32): scores, softmax and sums stay float32. An int8 cache (kvflow_paged_decode_i8)
+ * holds rows of D + 4 bytes: D values, then the row's float32 scale (value = scale * q);
+ * its k_cache / v_cache are [NB, KVH, BS, D + 4] int8, dequantized as they are read. Where the CPU has avx512_bf16 (and
  * D is a multiple of 32), the keys are not widened: the scores take q rounded to
  * bfloat16 against the stored keys with vdpbf16ps, products summed in float32.
  *
@@ -42,13 +44,24 @@
 #endif
 
 #define MAX_GROUP 64
+
+/* What a cache holds (a literal wherever the kernel is inlined): float32, bfloat16, or
+ * int8 rows of D values followed by their float32 scale. */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_I8 2
+
+/* Bytes of one cached row of D values. */
+static inline __attribute__((always_inline)) size_t row_bytes(const int kind, const int D) {
+    return kind == KV_I8 ? (size_t)D + 4 : (size_t)D * (kind == KV_BF16 ? 2 : 4);
+}
 #define MAX_VECTOR_ACC 24 /* value accumulators kept in registers (of 32 AVX-512 ones) */
 
-/* A run of n cache values as float32: the run itself for a float32 cache; for a bfloat16
- * one, widened into `wide` (a bf16 value is the top half of a float32). Widening a whole
- * run once, rather than each value for each of the G query heads that read it, keeps the
- * inner loops plain float32 FMAs. bf16 is a compile-time constant wherever this is
- * inlined, so the test folds away.
+/* A run of `rows` cached rows as float32 [rows, D]: the run itself for a float32 cache; for
+ * a bfloat16 one, widened into `wide` (a bf16 value is the top half of a float32); for an
+ * int8 one, dequantized into `wide`. Widening a whole run once, rather than each value for
+ * each of the G query heads that read it, keeps the inner loops plain float32 FMAs. kind
+ * is a compile-time constant wherever this is inlined, so the tests fold away.
  *
  * `next` (NULL: none) is a run to be read later, asked into the cache meanwhile: for a
  * bfloat16 run one line per line widened, so that the prefetches spread over the work
@@ -57,13 +70,27 @@
  * sequences of 240-300 tokens, the kernel took 0.86-1.0 ms per layer against 1.24-1.34
  * with prefetcht0 and the whole run asked for at once. */
 static inline __attribute__((always_inline)) const float *
-as_f32(const char *restrict run, int n, float *restrict wide, const int bf16,
+as_f32(const char *restrict run, int rows, const int D, float *restrict wide, const int kind,
        const char *next) {
-    const size_t elem = bf16 ? 2 : 4;
-    if (!bf16) {
-        for (size_t off = 0; next != NULL && off < (size_t)n * elem; off += 64)
+    const int n = rows * D;
+    if (kind == KV_F32) {
+        for (size_t off = 0; next != NULL && off < (size_t)n * 4; off += 64)
             __builtin_prefetch(next + off, 0, 1);
         return (const float *)run;
+    }
+    if (kind == KV_I8) { /* [rows, D + 4] -> [rows, D] float32, each row times its scale */
+        for (int j = 0; j < rows; j++) {
+            const char *row = run + (size_t)j * (D + 4);
+            for (int off = 0; next != NULL && off < D + 4; off += 64)
+                __builtin_prefetch(next + (size_t)j * (D + 4) + off, 0, 1);
+            float sc;
+            memcpy(&sc, row + D, sizeof sc);
+            const int8_t *src = (const int8_t *)row;
+            float *dst = wide + (size_t)j * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = sc * (float)src[d];
+        }
+        return wide;
     }
     const uint16_t *src = (const uint16_t *)run;
     uint32_t *dst = (uint32_t *)wide;
@@ -207,11 +234,11 @@ accumulate8(float *restrict acc_g, const float *restrict p, const float *restric
 
 /* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
  * a pointer to them in the cache and, in *stop, how many. */
-static inline const char *block_run(const void *cache, size_t elem, const int32_t *table, int t,
-                                    int len, int h, int KVH, int BS, int D, int *stop) {
+static inline const char *block_run(const void *cache, size_t row, const int32_t *table, int t,
+                                    int len, int h, int KVH, int BS, int *stop) {
     const int off = t % BS;
     *stop = (len - t < BS - off) ? len - t : BS - off;
-    return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * D * elem;
+    return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * row;
 }
 
 /* Prefetch distance in blocks: a sequence's blocks lie anywhere in the cache, where the
@@ -220,22 +247,22 @@ static inline const char *block_run(const void *cache, size_t elem, const int32_
 #define AHEAD 2
 
 /* Head h's run of the block holding position t, or NULL if t >= len. */
-static inline const char *run_at(const void *cache, size_t elem, const int32_t *table, int t,
-                                 int len, int h, int KVH, int BS, int D) {
+static inline const char *run_at(const void *cache, size_t row, const int32_t *table, int t,
+                                 int len, int h, int KVH, int BS) {
     if (t >= len) return NULL;
-    return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS) * D * elem;
+    return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS) * row;
 }
 
-/* One (sequence, KV head) pair. G, D and bf16 are parameters of an always-inlined
+/* One (sequence, KV head) pair. G, D and kind are parameters of an always-inlined
  * function, called with literals below: with them known at compile time the dot products
  * and the value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
- * wide: [BS, D] (a bf16 block run widened). */
+ * wide: [BS, D] (a bf16 or int8 block run widened). */
 static inline __attribute__((always_inline)) void
 attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
-            int h, int KVH, const int G, const int D, const int bf16, int BS, float scale,
+            int h, int KVH, const int G, const int D, const int kind, int BS, float scale,
             float *restrict scores, float *restrict acc, float *restrict wide) {
-    const size_t elem = bf16 ? 2 : 4;
+    const size_t row = row_bytes(kind, D);
     const int m = len - first;
     if (m <= 0) {
         memset(o, 0, sizeof(float) * (size_t)G * D);
@@ -245,7 +272,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
 #if defined(__AVX512BF16__)
     uint16_t qb[QB_MAX] __attribute__((aligned(64)));
-    const int dot_bf16 = bf16 && D % 32 == 0 && G * D <= QB_MAX;
+    const int dot_bf16 = kind == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
     for (int i = 0; dot_bf16 && i < G * D; i++) { /* round to nearest even, as torch */
         uint32_t u;
         memcpy(&u, qh + i, sizeof u);
@@ -254,13 +281,12 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #endif
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
-        const char *run = block_run(k_cache, elem, table, t, len, h, KVH, BS, D, &stop);
+        const char *run = block_run(k_cache, row, table, t, len, h, KVH, BS, &stop);
         /* AHEAD blocks on: a key run, or past the last one the value runs from the start */
         const int ahead = (t / BS + AHEAD) * BS, past = ahead - ((len - 1) / BS + 1) * BS;
         const char *next =
-            past < 0 ? run_at(k_cache, elem, table, ahead, len, h, KVH, BS, D)
-                     : run_at(v_cache, elem, table, (first / BS + past / BS) * BS, len, h, KVH,
-                              BS, D);
+            past < 0 ? run_at(k_cache, row, table, ahead, len, h, KVH, BS)
+                     : run_at(v_cache, row, table, (first / BS + past / BS) * BS, len, h, KVH, BS);
         int j = 0;
 #if defined(__AVX512BF16__)
         if (dot_bf16) {
@@ -292,7 +318,9 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             continue;
         }
 #endif
-        const float *kb = as_f32(run, stop * D, wide, bf16, next);
+#if defined(__AVX512F__)
+#endif
+        const float *kb = as_f32(run, stop, D, wide, kind, next);
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
             for (; j + 16 <= stop; j += 16) {
@@ -355,10 +383,31 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #endif
     if (!in_regs) memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
-        const char *run = block_run(v_cache, elem, table, t, len, h, KVH, BS, D, &stop);
-        const char *next = run_at(v_cache, elem, table, (t / BS + AHEAD) * BS, len, h, KVH, BS, D);
+        const char *run = block_run(v_cache, row, table, t, len, h, KVH, BS, &stop);
+        const char *next = run_at(v_cache, row, table, (t / BS + AHEAD) * BS, len, h, KVH, BS);
 #if defined(__AVX512F__)
-        if (bf16 && in_regs) {
+        if (kind == KV_I8 && in_regs) {
+            /* int8 values widened in registers likewise; each row's scale folds into the
+             * G probabilities that weigh it */
+            for (int j = 0; j < stop; j++) {
+                const int8_t *vr = (const int8_t *)(run + (size_t)j * row);
+                for (int l = 0; next != NULL && l < (int)row; l += 64)
+                    __builtin_prefetch(next + (size_t)j * row + l, 0, 1);
+                float sc;
+                memcpy(&sc, vr + D, sizeof sc);
+                __m512 pv[MAX_VECTOR_ACC];
+                for (int g = 0; g < G; g++)
+                    pv[g] = _mm512_set1_ps(sc * scores[(size_t)g * m + (t - first + j)]);
+                for (int c = 0; c < C; c++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(vr + 16 * c));
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                    for (int g = 0; g < G; g++)
+                        av[g * C + c] = _mm512_fmadd_ps(pv[g], v, av[g * C + c]);
+                }
+            }
+            continue;
+        }
+        if (kind == KV_BF16 && in_regs) {
             /* A bfloat16 run widened in registers, 16 values at a time, each vector used by
              * the G query heads: no widened copy stored and loaded again. One layer of 64
              * sequences of 256 tokens: 0.93-0.95x the kernel's time (Intel Xeon with AMX,
@@ -382,7 +431,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             continue;
         }
 #endif
-        const float *vb = as_f32(run, stop * D, wide, bf16, next);
+        const float *vb = as_f32(run, stop, D, wide, kind, next);
 #if defined(KVFLOW_AVX2)
         if (D % 8 == 0) {
             for (int g = 0; g < G; g++)
@@ -426,7 +475,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
  * the loops over G and keeps the G query rows and accumulators in vector registers; any
  * other shape takes the same code with runtime sizes. */
 #define ATTEND(GV, DV)                                                                      \
-    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, bf16, BS, scale, \
+    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, kind, BS, scale, \
                 scores, acc, wide)
 #define ATTEND_G(DV)              \
     switch (G) {                  \
@@ -452,7 +501,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 static inline __attribute__((always_inline)) int
 paged_decode(const float *q, const void *k_cache, const void *v_cache,
              const int32_t *block_tables, const int32_t *context_lens, float *out, int n, int H,
-             int KVH, int D, int BS, int max_blocks, float scale, int window, const int bf16) {
+             int KVH, int D, int BS, int max_blocks, float scale, int window, const int kind) {
     const int G = H / KVH;
     if (G > MAX_GROUP || G * KVH != H) return 2;
     int max_len = 1;
@@ -503,7 +552,7 @@ int kvflow_paged_decode_f32(const float *q, const void *k_cache, const void *v_c
                             float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
                             float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
-                        max_blocks, scale, window, 0);
+                        max_blocks, scale, window, KV_F32);
 }
 
 int kvflow_paged_decode_bf16(const float *q, const void *k_cache, const void *v_cache,
@@ -511,5 +560,13 @@ int kvflow_paged_decode_bf16(const float *q, const void *k_cache, const void *v_
                              float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
                              float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
-                        max_blocks, scale, window, 1);
+                        max_blocks, scale, window, KV_BF16);
+}
+
+int kvflow_paged_decode_i8(const float *q, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, const int32_t *context_lens, float *out,
+                           int n, int H, int KVH, int D, int BS, int max_blocks, float scale,
+                           int window) {
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, n, H, KVH, D, BS,
+                        max_blocks, scale, window, KV_I8);
 }
