@@ -31,6 +31,7 @@ from worker.hardware import read_cpu_flags
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "layer_ops.c")
 )
+HEADERS = (Path(__file__).with_name("kernels") / "bf16.h",)  # included by SOURCES
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
@@ -251,7 +252,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     key = hashlib.sha256(
         b"\0".join(
             [
-                *(source.read_bytes() for source in SOURCES),
+                *(source.read_bytes() for source in SOURCES + HEADERS),
                 " ".join(CFLAGS + LIBS).encode(),
                 cc.encode(),
                 " ".join(sorted(read_cpu_flags())).encode(),

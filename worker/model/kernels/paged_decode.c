@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -128,6 +130,15 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, even), _mm512_shuffle_f32x4(u0, u1, odd));
 }
 
+/* 16 dot products times `scale` into dst [16], and the running max *mx raised to theirs. */
+static inline __attribute__((always_inline)) void keep16(float *restrict dst, float *restrict mx,
+                                                         __m512 dots, float scale) {
+    const __m512 s16 = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
+    _mm512_storeu_ps(dst, s16);
+    const float top = _mm512_reduce_max_ps(s16);
+    *mx = top > *mx ? top : *mx;
+}
+
 /* Scores of 16 consecutive keys kb [16, D] against one query row q [D] (D a multiple
  * of 16): [16] dot products. */
 static inline __attribute__((always_inline)) __m512 score16(const float *restrict q,
@@ -146,13 +157,6 @@ static inline __attribute__((always_inline)) __m512 score16(const float *restric
 
 #if defined(__AVX512BF16__)
 #define QB_MAX 4096 /* G * D of the query heads rounded to bfloat16 on the stack */
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* score16 straight from a bfloat16 cache: q [D] rounded to bfloat16 once per pair, kb
  * [16, D] as stored; vdpbf16ps sums pairs of products in float32 (D a multiple of 32).
@@ -273,11 +277,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #if defined(__AVX512BF16__)
     uint16_t qb[QB_MAX] __attribute__((aligned(64)));
     const int dot_bf16 = kind == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
-    for (int i = 0; dot_bf16 && i < G * D; i++) { /* round to nearest even, as torch */
-        uint32_t u;
-        memcpy(&u, qh + i, sizeof u);
-        qb[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (int i = 0; dot_bf16 && i < G * D; i++) qb[i] = to_bf16(qh[i]);
 #endif
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
@@ -295,12 +295,8 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             const uint16_t *kr16 = (const uint16_t *)run;
             for (; j + 16 <= stop; j += 16) {
                 for (int g = 0; g < G; g++) {
-                    const __m512 s16 = _mm512_mul_ps(
-                        score16_bf16(qb + (size_t)g * D, kr16 + (size_t)j * D, D),
-                        _mm512_set1_ps(scale));
-                    _mm512_storeu_ps(scores + (size_t)g * m + (t - first + j), s16);
-                    const float top = _mm512_reduce_max_ps(s16);
-                    mx[g] = top > mx[g] ? top : mx[g];
+                    keep16(scores + (size_t)g * m + (t - first + j), mx + g,
+                           score16_bf16(qb + (size_t)g * D, kr16 + (size_t)j * D, D), scale);
                 }
             }
             for (; j < stop; j++) { /* the run's last keys: the same rounded q */
@@ -309,7 +305,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                     for (int d = 0; d < D; d++)
-                        s += bf16_value(qg[d]) * bf16_value(kr[d]);
+                        s += from_bf16(qg[d]) * from_bf16(kr[d]);
                     s *= scale;
                     scores[(size_t)g * m + (t - first + j)] = s;
                     mx[g] = s > mx[g] ? s : mx[g];
@@ -325,11 +321,8 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         if (D % 16 == 0) {
             for (; j + 16 <= stop; j += 16) {
                 for (int g = 0; g < G; g++) {
-                    const __m512 s16 = _mm512_mul_ps(
-                        score16(qh + (size_t)g * D, kb + (size_t)j * D, D), _mm512_set1_ps(scale));
-                    _mm512_storeu_ps(scores + (size_t)g * m + (t - first + j), s16);
-                    const float top = _mm512_reduce_max_ps(s16);
-                    mx[g] = top > mx[g] ? top : mx[g];
+                    keep16(scores + (size_t)g * m + (t - first + j), mx + g,
+                           score16(qh + (size_t)g * D, kb + (size_t)j * D, D), scale);
                 }
             }
         }
