@@ -199,14 +199,27 @@ async def test_burst_is_shared_and_pulled_by_capacity(harness: Harness, tiny_dir
     b = h.start("fc-b", model=tiny_dir, max_num_seqs=max_seqs)
     await h.ready(a, b)
 
+    # Nothing completes until a ready count has been taken after the whole burst is
+    # published (the gate holds every request after its first token): what the workers
+    # took by then is what their capacity let them pull, however fast they run.
+    h.hold()
     async with HeldSampler(h) as held, UnackedSampler(h) as broker:
         handles = [
             await h.client.submit(
-                prompt_token_ids=[1, 2, 3, 4 + i], id=f"fc-{i}", max_tokens=200, ignore_eos=True
+                prompt_token_ids=[HOLD, 1, 2, 3, 4 + i],
+                id=f"fc-{i}",
+                max_tokens=200,
+                ignore_eos=True,
             )
             for i in range(n)
         ]
         published = time.monotonic()
+
+        async def counted_after_burst() -> bool:
+            return any(t >= published for t, _ in held.ready)
+
+        await eventually(counted_after_burst, "a ready count after the burst")
+        h.release()
         await results(handles, timeout=120)
         rows = await h.settled([x.id for x in handles])
 
@@ -232,7 +245,8 @@ async def test_burst_is_shared_and_pulled_by_capacity(harness: Harness, tiny_dir
         served[r["worker_id"]] += 1
     assert served[a.id] >= n // 4 and served[b.id] >= n // 4, dict(served)
 
-    # the queue drains gradually: right after the burst most of it is still ready
+    # the queue drains gradually: after the burst (nothing finished yet) most of it is
+    # still ready
     after = [count for t, count in held.ready if t >= published]
     assert after and after[0] >= n - 2 * cap - 2, after[:5]
     assert any(0 < c < n - 2 * cap for c in after), "the ready count never drained gradually"
