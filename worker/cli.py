@@ -103,6 +103,14 @@ def engine_options(fn: F) -> F:
             "(onednn), torch's plain matmul (torch), onednn where torch has it (auto).",
         ),
         click.option(
+            "--prefill-attention",
+            type=click.Choice(["auto", "float32", "bfloat16"]),
+            default=None,
+            help="CPU prefill attention: SDPA on bfloat16 copies of q, k and v, or on "
+            "float32 ones; auto takes bfloat16 where the CPU has AMX behind bfloat16 "
+            "linear layers.",
+        ),
+        click.option(
             "--kv-cache-dtype",
             type=click.Choice(["auto", "float32", "bfloat16", "int8"]),
             default=None,
@@ -147,6 +155,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "num_threads": kw.pop("threads", None),
         "attention": kw.pop("attention", None),
         "kv_cache_dtype": kw.pop("kv_cache_dtype", None),
+        "prefill_attention": kw.pop("prefill_attention", None),
         "linear": kw.pop("linear", None),
         "tune_batch": kw.pop("tune_batch", None),
     }

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from worker.hardware import KV_CACHE_DTYPES
+from worker.hardware import KV_CACHE_DTYPES, PREFILL_ATTENTION_DTYPES
 from worker.limits import QUEUE_DEFAULT_MAX_TOKENS
 
 Policy = Literal["fcfs", "priority", "fair"]
@@ -80,6 +80,10 @@ class EngineConfig:
     # The KV cache's dtype: "auto" is the activations' (float32 on CPU); "bfloat16" on CPU
     # holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
+    # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
+    # "float32" on the activations; "auto" takes bfloat16 where the CPU has AMX behind
+    # bfloat16 linear layers (worker.hardware.choose_prefill_attention).
+    prefill_attention: str = "auto"
     # Measure decode tokens/s against batch size at start-up and run at most the smallest
     # batch within 5% of the best rate (worker.engine.tuning); max_num_seqs stays the cap.
     tune_batch: bool = False
@@ -139,6 +143,11 @@ class EngineConfig:
             bad(f"linear must be one of {LINEAR_BACKENDS}, got {self.linear!r}")
         if self.linear == "onednn" and self.device != "cpu":
             bad("linear 'onednn' packs weights for CPU; on CUDA use 'auto' or 'torch'")
+        if self.prefill_attention not in PREFILL_ATTENTION_DTYPES:
+            bad(
+                f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, "
+                f"got {self.prefill_attention!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
@@ -222,6 +231,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "num_threads": int,
     "attention": str,
     "kv_cache_dtype": str,
+    "prefill_attention": str,
     "linear": str,
     "tune_batch": _bool,
 }

@@ -129,14 +129,18 @@ def _decode_agreement(
 
 
 @pytest.mark.slow
-def test_bfloat16_next_token_agrees_with_float32(default_model_dir) -> None:
+@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16"])
+def test_bfloat16_next_token_agrees_with_float32(default_model_dir, prefill_attention) -> None:
     """Teacher forcing: over float32's greedy continuations, bfloat16 picks the same
-    next token at >= 99% of positions (the bar `--dtype auto` must clear to pick bf16)."""
+    next token at >= 99% of positions (the bar `--dtype auto` must clear to pick bf16),
+    with prefill attention on float32 or on bfloat16 copies of q, k and v (what `auto`
+    takes on a CPU with AMX)."""
     ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
     loaded = load_model(str(default_model_dir), dtype="bfloat16")
     assert loaded.model.narrow_head is not None  # measured here with the narrow projection
-    bf16 = ModelRunner(EngineConfig(num_kv_blocks=256), loaded)
+    bf16 = ModelRunner(EngineConfig(num_kv_blocks=256, prefill_attention=prefill_attention), loaded)
     agree, total = _prefill_agreement(bf16, ids, outs)
+    print(f"prefill attention in {prefill_attention}: {agree}/{total}")
     assert total == 64 * len(AGREEMENT_PROMPTS)
     assert agree / total >= 0.99, f"bf16 agrees on {agree}/{total} next tokens"
 

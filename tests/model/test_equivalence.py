@@ -104,15 +104,28 @@ def test_logits_match_reference(variant: str, attention: str, linear: str, tiny_
         check(runner.all_logits([_sched("a", a, pos, 1, blocks_a)])["a"], ra[pos : pos + 1])
 
 
-def test_bfloat16_close_to_reference(tiny_model_dir) -> None:
+@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16"])
+def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> None:
+    """bf16 linear layers, prefill attention on float32 or bfloat16 copies of q, k and v
+    (a prompt in two chunks: the second attends to the first through the cache), stay
+    close to transformers' bf16 model."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("smollm2")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    cfg = EngineConfig(model=str(path), block_size=BS, num_kv_blocks=32, dtype="bfloat16")
+    cfg = EngineConfig(
+        model=str(path),
+        block_size=BS,
+        num_kv_blocks=32,
+        dtype="bfloat16",
+        prefill_attention=prefill_attention,
+    )
     runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
+    assert runner.prefill_dtype == (torch.bfloat16 if prefill_attention == "bfloat16" else None)
+    assert f"prefill attention in {prefill_attention}" in runner.info.attention
     toks = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    got = runner.all_logits([_sched("x", toks, 0, 20, list(range(5)))])["x"]
+    first = runner.all_logits([_sched("x", toks, 0, 12, list(range(5)))])["x"]
+    got = torch.cat([first, runner.all_logits([_sched("x", toks, 12, 8, list(range(5)))])["x"]])
     want = _ref_logits(ref, toks)
     # bf16 keeps ~3 significant digits; both sides round differently in places.
     assert (got - want).abs().max() < 0.1 * want.abs().max()

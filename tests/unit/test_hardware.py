@@ -17,6 +17,7 @@ from worker.hardware import (
     choose_dtype,
     choose_kv_dtype,
     choose_output_head,
+    choose_prefill_attention,
     int8_reduce_range,
     parse_cpu_flags,
 )
@@ -92,6 +93,24 @@ def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True).dtype != "int8"
     with pytest.raises(ValueError, match="model's dtype"):
         choose_kv_dtype("int8", "cuda", "bfloat16")
+
+
+def test_prefill_attention_takes_bfloat16_only_with_amx_behind_bfloat16_layers() -> None:
+    amx = frozenset({"avx512_bf16", "amx_bf16"})
+    chosen = choose_prefill_attention("auto", "cpu", "bfloat16", amx)
+    assert chosen.dtype == "bfloat16" and "AMX" in chosen.reason
+    # avx512_bf16 alone (bf16 SDPA measured no faster there), or float32 layers: float32
+    assert choose_prefill_attention("auto", "cpu", "bfloat16", amx - {"amx_bf16"}).dtype == (
+        "float32"
+    )
+    assert choose_prefill_attention("auto", "cpu", "float32", amx).dtype == "float32"
+    explicit = choose_prefill_attention("bfloat16", "cpu", "float32", frozenset())
+    assert explicit.dtype == "bfloat16" and explicit.reason == "set explicitly"
+    assert choose_prefill_attention("auto", "cuda", "float16", amx).dtype == "float16"
+    with pytest.raises(ValueError, match="CPU setting"):
+        choose_prefill_attention("bfloat16", "cuda", "bfloat16", amx)
+    with pytest.raises(ValueError, match="prefill_attention must be one of"):
+        choose_prefill_attention("int8", "cpu", "bfloat16", amx)
 
 
 def test_flags_come_from_the_first_processor() -> None:

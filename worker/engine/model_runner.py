@@ -16,7 +16,13 @@ import torch
 from worker.config import CUDA_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, EngineConfig
 from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from worker.hardware import advise_huge_pages, choose_kv_dtype, detect_cores
+from worker.hardware import (
+    advise_huge_pages,
+    choose_kv_dtype,
+    choose_prefill_attention,
+    detect_cores,
+    read_cpu_flags,
+)
 from worker.model.attention import (
     I8_SCALE_BYTES,
     AttentionMetadata,
@@ -98,6 +104,11 @@ class ModelRunner:
         )
         # the KV cache's; int8 rows hold D values and their float32 scale (quantize_rows)
         self.kv_dtype = torch.int8 if kv.dtype == "int8" else DTYPES[kv.dtype]
+        prefill = choose_prefill_attention(
+            config.prefill_attention, self.device.type, dtype_name(loaded), read_cpu_flags()
+        )
+        # None where SDPA takes q, k and v as they are (CUDA; float32 on CPU)
+        self.prefill_dtype = DTYPES[prefill.dtype] if prefill.dtype == "bfloat16" else None
         row = mcfg.head_dim + I8_SCALE_BYTES if kv.dtype == "int8" else mcfg.head_dim
         # bytes of K and V for one block across all layers
         block_bytes = (
@@ -140,7 +151,8 @@ class ModelRunner:
             dtype_reason=dtype_reason,
             num_threads=self._threads,
             attention=attention
-            + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else ""),
+            + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else "")
+            + f"; prefill attention in {prefill.dtype} ({prefill.reason})",
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
             linear=linear,
         )
@@ -274,6 +286,7 @@ class ModelRunner:
             prefills=prefills,
             in_place=self._in_place(singles) if self.native is not None and singles else None,
             layer_ops=self._step_layer_ops(),
+            prefill_dtype=self.prefill_dtype,
             block_size=bs,
             workspace=self.workspace,
         )

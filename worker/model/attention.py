@@ -109,6 +109,9 @@ class AttentionMetadata:
     # CPU with float32 activations: the layer's per-token ops (norms, rotary + K/V
     # store) run as C kernels (worker.model.native), one call each
     layer_ops: NativeKernels | None = None
+    # CPU: the dtype prefill attention's q, k and v are cast to for SDPA (None: as they
+    # are); its output returns to the activations' dtype (worker.hardware.choose_prefill_attention)
+    prefill_dtype: torch.dtype | None = None
 
 
 I8_SCALE_BYTES = 4  # an int8 cache row: D values, then their float32 scale
@@ -232,6 +235,8 @@ def paged_attention(
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]
+        if meta.prefill_dtype is not None:
+            qp, kp, vp = (t.to(meta.prefill_dtype) for t in (qp, kp, vp))
         o = F.scaled_dot_product_attention(
             qp[None],
             kp[None],
