@@ -24,7 +24,6 @@ from worker.hardware import (
     read_cpu_flags,
 )
 from worker.model.attention import (
-    I8_SCALE_BYTES,
     AttentionMetadata,
     DecodeGroup,
     InPlaceDecode,
@@ -34,7 +33,7 @@ from worker.model.attention import (
     prefill_mask,
 )
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
-from worker.model.native import KV_DTYPES, MAX_GROUP, NativeKernels, load_native
+from worker.model.native import I8_SCALE_BYTES, KV_DTYPES, MAX_GROUP, NativeKernels, load_native
 from worker.model.packing import pack_linear_layers
 from worker.model.sampler import Sampler, SamplingRow
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.native import NativeKernels
+from worker.model.native import I8_SCALE_BYTES, NativeKernels
 
 
 class Workspace:
@@ -112,9 +112,6 @@ class AttentionMetadata:
     # CPU: the dtype prefill attention's q, k and v are cast to for SDPA (None: as they
     # are); its output returns to the activations' dtype (worker.hardware.choose_prefill_attention)
     prefill_dtype: torch.dtype | None = None
-
-
-I8_SCALE_BYTES = 4  # an int8 cache row: D values, then their float32 scale
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,10 @@
  *   context_lens [n] int32            (keys visible to the query, its own included)
  * window > 0 limits the keys to the last `window` positions (sliding-window attention).
  * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
- * a float32): scores, softmax and sums stay float32. An int8 cache (kvflow_paged_decode_i8)
- * holds rows of D + 4 bytes: D values, then the row's float32 scale (value = scale * q);
- * its k_cache / v_cache are [NB, KVH, BS, D + 4] int8, dequantized as they are read. Where the CPU has avx512_bf16 (and
- * D is a multiple of 32), the keys are not widened: the scores take q rounded to
+ * a float32): scores, softmax and sums stay float32. An int8 cache
+ * (kvflow_paged_decode_i8) holds rows of D + 4 bytes, D values and then the row's float32
+ * scale (value = scale * q): k_cache / v_cache [NB, KVH, BS, D + 4] int8, dequantized as
+ * they are read. Where the CPU has avx512_bf16 (and D is a multiple of 32), the keys are not widened: the scores take q rounded to
  * bfloat16 against the stored keys with vdpbf16ps, products summed in float32.
  *
  * With AVX-512 (built with -march=native on such a CPU) and D a multiple of 16, the score
@@ -46,6 +46,7 @@
 #endif
 
 #define MAX_GROUP 64
+#define MAX_VECTOR_ACC 24 /* value accumulators kept in registers (of 32 AVX-512 ones) */
 
 /* What a cache holds (a literal wherever the kernel is inlined): float32, bfloat16, or
  * int8 rows of D values followed by their float32 scale. */
@@ -57,7 +58,6 @@
 static inline __attribute__((always_inline)) size_t row_bytes(const int kind, const int D) {
     return kind == KV_I8 ? (size_t)D + 4 : (size_t)D * (kind == KV_BF16 ? 2 : 4);
 }
-#define MAX_VECTOR_ACC 24 /* value accumulators kept in registers (of 32 AVX-512 ones) */
 
 /* A run of `rows` cached rows as float32 [rows, D]: the run itself for a float32 cache; for
  * a bfloat16 one, widened into `wide` (a bf16 value is the top half of a float32); for an
@@ -106,6 +106,17 @@ as_f32(const char *restrict run, int rows, const int D, float *restrict wide, co
 }
 
 #if defined(__AVX512F__)
+/* Values c*16 .. c*16+15 of a bfloat16 or int8 cached row as float32 (an int8 row's scale
+ * not applied: the caller folds it into the weights). */
+static inline __attribute__((always_inline)) __m512 widen16(const char *row, int c,
+                                                            const int kind) {
+    if (kind == KV_I8)
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * c))));
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 /* Lane j of the result: the sum of v[j]'s 16 lanes. A transpose-and-add tree, 15 adds and
  * 30 shuffles for 16 sums, where summing each vector alone takes ~8 dependent operations:
  * the dot products of the score pass then cost little more than their FMAs. */
@@ -314,8 +325,6 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             continue;
         }
 #endif
-#if defined(__AVX512F__)
-#endif
         const float *kb = as_f32(run, stop, D, wide, kind, next);
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
@@ -379,44 +388,23 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         const char *run = block_run(v_cache, row, table, t, len, h, KVH, BS, &stop);
         const char *next = run_at(v_cache, row, table, (t / BS + AHEAD) * BS, len, h, KVH, BS);
 #if defined(__AVX512F__)
-        if (kind == KV_I8 && in_regs) {
-            /* int8 values widened in registers likewise; each row's scale folds into the
-             * G probabilities that weigh it */
+        if (kind != KV_F32 && in_regs) {
+            /* A bfloat16 or int8 run widened in registers, 16 values at a time, each
+             * vector used by the G query heads (an int8 row's scale folds into the G
+             * probabilities that weigh it): no widened copy stored and loaded again. One
+             * layer of 64 sequences of 256 tokens, bfloat16: 0.93-0.95x the kernel's time
+             * (Intel Xeon with AMX, 2 threads, both builds alternating), the same results. */
+            __m512 pv[MAX_VECTOR_ACC]; /* G <= MAX_VECTOR_ACC where in_regs */
             for (int j = 0; j < stop; j++) {
-                const int8_t *vr = (const int8_t *)(run + (size_t)j * row);
-                for (int l = 0; next != NULL && l < (int)row; l += 64)
+                const char *vr = run + (size_t)j * row;
+                for (int l = 0; next != NULL && l < (int)row; l += 64) /* a line per line read */
                     __builtin_prefetch(next + (size_t)j * row + l, 0, 1);
-                float sc;
-                memcpy(&sc, vr + D, sizeof sc);
-                __m512 pv[MAX_VECTOR_ACC];
+                float sc = 1.0f;
+                if (kind == KV_I8) memcpy(&sc, vr + D, sizeof sc);
                 for (int g = 0; g < G; g++)
                     pv[g] = _mm512_set1_ps(sc * scores[(size_t)g * m + (t - first + j)]);
                 for (int c = 0; c < C; c++) {
-                    const __m128i raw = _mm_loadu_si128((const __m128i *)(vr + 16 * c));
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-                    for (int g = 0; g < G; g++)
-                        av[g * C + c] = _mm512_fmadd_ps(pv[g], v, av[g * C + c]);
-                }
-            }
-            continue;
-        }
-        if (kind == KV_BF16 && in_regs) {
-            /* A bfloat16 run widened in registers, 16 values at a time, each vector used by
-             * the G query heads: no widened copy stored and loaded again. One layer of 64
-             * sequences of 256 tokens: 0.93-0.95x the kernel's time (Intel Xeon with AMX,
-             * 2 threads, both builds alternating), the same results. */
-            const uint16_t *vr16 = (const uint16_t *)run;
-            __m512 pv[MAX_VECTOR_ACC]; /* G <= MAX_VECTOR_ACC where in_regs */
-            for (int j = 0; j < stop; j++) {
-                const uint16_t *vr = vr16 + (size_t)j * D;
-                for (int l = 0; next != NULL && l < 2 * D; l += 64) /* one line per line read */
-                    __builtin_prefetch(next + 2 * (size_t)j * D + l, 0, 1);
-                for (int g = 0; g < G; g++)
-                    pv[g] = _mm512_set1_ps(scores[(size_t)g * m + (t - first + j)]);
-                for (int c = 0; c < C; c++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(vr + 16 * c));
-                    const __m512 v =
-                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                    const __m512 v = widen16(vr, c, kind);
                     for (int g = 0; g < G; g++)
                         av[g * C + c] = _mm512_fmadd_ps(pv[g], v, av[g * C + c]);
                 }
