@@ -33,6 +33,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -276,7 +277,8 @@ static inline __attribute__((always_inline)) void
 attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
             int h, int KVH, const int G, const int D, const int kind, int BS, float scale,
-            float *restrict scores, float *restrict acc, float *restrict wide) {
+            float *restrict scores, float *restrict acc, float *restrict wide,
+            const char *const then[AHEAD]) {
     const size_t row = row_bytes(kind, D);
     const int m = len - first;
     if (m <= 0) {
@@ -301,15 +303,23 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         int j = 0;
 #if defined(__AVX512BF16__)
         if (dot_bf16) {
-            for (size_t off = 0; next != NULL && off < (size_t)stop * D * 2; off += 64)
-                __builtin_prefetch(next + off, 0, 1);
+            /* The run AHEAD blocks on asked for 16 rows at a time as this one's are
+             * scored, rather than all at once: 0.89-0.92x the kernel's time (AMD EPYC
+             * Zen 5, 2 threads, 64 sequences of 240-300 tokens, 30 layers' caches, blocks
+             * in order or scattered; alternating builds), the same results. */
+            const size_t rows16 = (size_t)16 * D * 2;
             const uint16_t *kr16 = (const uint16_t *)run;
             for (; j + 16 <= stop; j += 16) {
+                for (size_t off = j * (size_t)D * 2; next != NULL && off < j * (size_t)D * 2 + rows16;
+                     off += 64)
+                    __builtin_prefetch(next + off, 0, 1);
                 for (int g = 0; g < G; g++) {
                     keep16(scores + (size_t)g * m + (t - first + j), mx + g,
                            score16_bf16(qb + (size_t)g * D, kr16 + (size_t)j * D, D), scale);
                 }
             }
+            for (size_t off = j * (size_t)D * 2; next != NULL && off < (size_t)BS * D * 2; off += 64)
+                __builtin_prefetch(next + off, 0, 1); /* what is left of a whole block run */
             for (; j < stop; j++) { /* the run's last keys: the same rounded q */
                 for (int g = 0; g < G; g++) {
                     const uint16_t *qg = qb + (size_t)g * D, *kr = kr16 + (size_t)j * D;
@@ -386,7 +396,11 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     if (!in_regs) memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(v_cache, row, table, t, len, h, KVH, BS, &stop);
-        const char *next = run_at(v_cache, row, table, (t / BS + AHEAD) * BS, len, h, KVH, BS);
+        /* AHEAD blocks on: a value run, or past the last one the next pair's key runs */
+        const int past = t / BS + AHEAD - ((len - 1) / BS + 1);
+        const char *next = past < 0 ? run_at(v_cache, row, table, (t / BS + AHEAD) * BS, len, h,
+                                             KVH, BS)
+                                    : then[past];
 #if defined(__AVX512F__)
         if (kind != KV_F32 && in_regs) {
             /* A bfloat16 or int8 run widened in registers, 16 values at a time, each
@@ -457,7 +471,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
  * other shape takes the same code with runtime sizes. */
 #define ATTEND(GV, DV)                                                                      \
     attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, kind, BS, scale, \
-                scores, acc, wide)
+                scores, acc, wide, then)
 #define ATTEND_G(DV)              \
     switch (G) {                  \
     case 1: ATTEND(1, DV); break; \
@@ -499,6 +513,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
 #pragma omp atomic write
             failed = 1;
         }
+        const int threads = omp_get_num_threads();
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int i = 0; i < n; i++) {
             for (int h = 0; h < KVH; h++) {
@@ -506,6 +521,22 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 const int len = context_lens[i];
                 const int first = (window > 0 && len > window) ? len - window : 0;
                 const int32_t *table = block_tables + (size_t)i * max_blocks;
+                /* The first key runs of the pair this thread likely takes next (pairs are
+                 * handed out in order, one at a time), asked for as this pair's last value
+                 * runs are read: a pair's first blocks were otherwise plain misses. A wrong
+                 * guess costs a few wasted prefetches. 0.95-0.96x the kernel's time (AMD
+                 * EPYC Zen 5, 2 threads, 64 sequences of 240-300 tokens, 30 layers' caches,
+                 * blocks in order or scattered; alternating builds). */
+                const char *then[AHEAD] = {NULL};
+                const int guess = i * KVH + h + threads;
+                if (guess < n * KVH) {
+                    const int gi = guess / KVH, glen = context_lens[gi];
+                    const int gfirst = (window > 0 && glen > window) ? glen - window : 0;
+                    for (int b = 0; b < AHEAD; b++)
+                        then[b] = run_at(k_cache, row_bytes(kind, D),
+                                         block_tables + (size_t)gi * max_blocks,
+                                         (gfirst / BS + b) * BS, glen, guess % KVH, KVH, BS);
+                }
                 const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
                 float *o = out + ((size_t)i * H + (size_t)h * G) * D;
                 ATTEND_D(D);
