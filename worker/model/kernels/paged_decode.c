@@ -142,13 +142,13 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, even), _mm512_shuffle_f32x4(u0, u1, odd));
 }
 
-/* 16 dot products times `scale` into dst [16], and the running max *mx raised to theirs. */
-static inline __attribute__((always_inline)) void keep16(float *restrict dst, float *restrict mx,
+/* 16 dot products times `scale` into dst [16], and the running maxima *mx (per lane,
+ * reduced once after the pass) raised to theirs. */
+static inline __attribute__((always_inline)) void keep16(float *restrict dst, __m512 *restrict mx,
                                                          __m512 dots, float scale) {
     const __m512 s16 = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
     _mm512_storeu_ps(dst, s16);
-    const float top = _mm512_reduce_max_ps(s16);
-    *mx = top > *mx ? top : *mx;
+    *mx = _mm512_max_ps(*mx, s16);
 }
 
 /* Scores of 16 consecutive keys kb [16, D] against one query row q [D] (D a multiple
@@ -287,6 +287,10 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     }
     float mx[MAX_GROUP], sum[MAX_GROUP];
     for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
+#if defined(__AVX512F__)
+    __m512 mx16[MAX_GROUP]; /* keep16's maxima per lane, for 16 keys at a time */
+    for (int g = 0; g < G; g++) mx16[g] = _mm512_set1_ps(-FLT_MAX);
+#endif
 #if defined(__AVX512BF16__)
     uint16_t qb[QB_MAX] __attribute__((aligned(64)));
     const int dot_bf16 = kind == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
@@ -314,7 +318,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                      off += 64)
                     __builtin_prefetch(next + off, 0, 1);
                 for (int g = 0; g < G; g++) {
-                    keep16(scores + (size_t)g * m + (t - first + j), mx + g,
+                    keep16(scores + (size_t)g * m + (t - first + j), mx16 + g,
                            score16_bf16(qb + (size_t)g * D, kr16 + (size_t)j * D, D), scale);
                 }
             }
@@ -340,7 +344,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         if (D % 16 == 0) {
             for (; j + 16 <= stop; j += 16) {
                 for (int g = 0; g < G; g++) {
-                    keep16(scores + (size_t)g * m + (t - first + j), mx + g,
+                    keep16(scores + (size_t)g * m + (t - first + j), mx16 + g,
                            score16(qh + (size_t)g * D, kb + (size_t)j * D, D), scale);
                 }
             }
@@ -371,6 +375,12 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             }
         }
     }
+#if defined(__AVX512F__)
+    for (int g = 0; g < G; g++) {
+        const float top = _mm512_reduce_max_ps(mx16[g]);
+        mx[g] = top > mx[g] ? top : mx[g];
+    }
+#endif
     /* softmax numerators and their sums */
     for (int g = 0; g < G; g++) {
         float *sg = scores + (size_t)g * m;
