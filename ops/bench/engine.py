@@ -414,9 +414,7 @@ def main() -> None:
         if "kvflow-gather" in systems:
             md += "\n\nThe same at batch 64 with decode attention by block gather (--attention torch):\n\n"
             md += step_profile.table(gather_rows, engine.info.dtype)
-        md += (
-            "\n\nDecode tokens/s by batch size (`ops/bench/results/longtail/batch_curve.png`):\n\n"
-        )
+        md += f"\n\nDecode tokens/s by batch size (`{args.out / 'batch_curve.png'}`):\n\n"
         md += curve_md
     print("\n" + md)
     cont = next((r for r in results if r.system == base), None)
