@@ -104,11 +104,12 @@ def engine_options(fn: F) -> F:
         ),
         click.option(
             "--prefill-attention",
-            type=click.Choice(["auto", "float32", "bfloat16"]),
+            type=click.Choice(["auto", "float32", "bfloat16", "native"]),
             default=None,
             help="CPU prefill attention: SDPA on bfloat16 copies of q, k and v, or on "
-            "float32 ones; auto takes bfloat16 where the CPU has AMX behind bfloat16 "
-            "linear layers.",
+            "float32 ones, or the C decode kernel reading the cache in place (native); "
+            "auto takes bfloat16 where the CPU has AMX behind bfloat16 linear layers, "
+            "native where it has avx512_bf16 without AMX.",
         ),
         click.option(
             "--kv-cache-dtype",

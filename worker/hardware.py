@@ -143,20 +143,30 @@ def choose_kv_dtype(
     return DtypeChoice(activation_dtype, "auto: the activations' dtype")
 
 
-PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16")
+PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16", "native")
 
 
 def choose_prefill_attention(
-    requested: str, device: str, linear_dtype: str, cpu_flags: frozenset[str]
+    requested: str,
+    device: str,
+    linear_dtype: str,
+    cpu_flags: frozenset[str],
+    in_place: bool = False,
 ) -> DtypeChoice:
-    """The dtype prefill attention (torch's SDPA over a chunk and its cached context) runs
-    in on CPU; outputs come back to the float32 residual stream either way. "auto" takes
-    bfloat16 where the CPU has AMX for it (`amx_bf16`) behind bfloat16 linear layers:
-    there SDPA's bfloat16 kernel ran in 0.41-0.49x float32's time (one layer's attention
-    at 256-2,048 tokens, casts included) and prefilling 8 prompts of 512 tokens took
-    0.74x the time (Intel Xeon with AMX, alternating in one process); on an AMD EPYC
-    with avx512_bf16 but no AMX bfloat16 inputs measured no faster. On CUDA attention
-    runs in the model's dtype."""
+    """How prefill attention runs on CPU: torch's SDPA over a chunk and its cached context
+    in float32 or on bfloat16 copies of q, k and v ("float32", "bfloat16"), or the C decode
+    kernel reading the cache in place, one query row at a time over the keys up to its
+    own position ("native"; `in_place`: the runner has that kernel). Outputs come back to
+    the float32 residual stream either way.
+
+    "auto" takes "native" behind bfloat16 linear layers where the CPU has avx512_bf16
+    but no AMX: one layer's prefill attention ran in 0.35-0.54x SDPA's float32 time (8
+    prompts of 256, 16 of 128, 4 of 512, one of 2,048 tokens; AMD EPYC Zen 5, 2 threads,
+    alternating), where bfloat16 SDPA ran 1.05-1.12x float32's. Where the CPU has AMX it
+    takes bfloat16 SDPA: 0.41-0.49x float32's time at 256-2,048 tokens, casts included,
+    and 8 prompts of 512 prefilled in 0.74x the time (Intel Xeon with AMX, alternating);
+    the kernel was not measured there. Elsewhere float32 SDPA. On CUDA attention runs
+    in the model's dtype."""
     if requested not in PREFILL_ATTENTION_DTYPES:
         raise ValueError(
             f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, got {requested!r}"
@@ -165,10 +175,17 @@ def choose_prefill_attention(
         if requested != "auto":
             raise ValueError(f"prefill_attention is a CPU setting; on {device} use 'auto'")
         return DtypeChoice(linear_dtype, "the model's dtype")
+    if requested == "native" and not in_place:
+        raise ValueError(
+            "prefill_attention 'native' reads the cache through the C decode kernel, "
+            "which this engine does not use (see its attention setting)"
+        )
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
     if linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags:
         return DtypeChoice("bfloat16", "auto: AMX and bfloat16 linear layers")
+    if in_place and linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
+        return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")
     return DtypeChoice("float32", "auto: the activations' dtype")
 
 

@@ -35,21 +35,37 @@ def _sched(rid: str, tokens: list[int], start: int, n: int, blocks: list[int]) -
 
 
 @pytest.mark.parametrize(
-    ("attention", "linear"), [("native", "auto"), ("torch", "auto"), ("native", "torch")]
+    ("attention", "linear", "prefill"),
+    [
+        ("native", "auto", "float32"),
+        ("torch", "auto", "float32"),
+        ("native", "torch", "float32"),
+        ("native", "auto", "native"),
+    ],
 )
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_logits_match_reference(variant: str, attention: str, linear: str, tiny_model_dir) -> None:
+def test_logits_match_reference(
+    variant: str, attention: str, linear: str, prefill: str, tiny_model_dir
+) -> None:
     """Both decode attention paths: the C kernel reading blocks in place, the torch gather;
-    linear weights packed for oneDNN where torch has it, and torch's plain matmul."""
+    linear weights packed for oneDNN where torch has it, and torch's plain matmul; prompt
+    rows through SDPA or through the C kernel with the decode rows (native: mixed steps,
+    a chunk on a cached prefix, a chunk continuing a chunk)."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir(variant)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = EngineConfig(
-        model=str(path), block_size=BS, num_kv_blocks=64, attention=attention, linear=linear
+        model=str(path),
+        block_size=BS,
+        num_kv_blocks=64,
+        attention=attention,
+        linear=linear,
+        prefill_attention=prefill,
     )
     runner = ModelRunner(cfg, load_model(str(path)))
     assert runner.info.attention.startswith(attention)
+    assert runner.prefill_in_place == (prefill == "native")
     assert runner.info.linear.startswith("torch" if linear == "torch" else "oneDNN")
     # with the C attention kernel the layers' small ops run in C too (but for a q/k norm)
     takes_ops = attention == "native" and variant != "qwen3"
@@ -104,11 +120,11 @@ def test_logits_match_reference(variant: str, attention: str, linear: str, tiny_
         check(runner.all_logits([_sched("a", a, pos, 1, blocks_a)])["a"], ra[pos : pos + 1])
 
 
-@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native"])
 def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> None:
     """bf16 linear layers, prefill attention on float32 or bfloat16 copies of q, k and v
-    (a prompt in two chunks: the second attends to the first through the cache), stay
-    close to transformers' bf16 model."""
+    or through the C kernel from the bfloat16 cache (a prompt in two chunks: the second
+    attends to the first through the cache), stay close to transformers' bf16 model."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("smollm2")
@@ -122,7 +138,10 @@ def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> 
     )
     runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
     assert runner.prefill_dtype == (torch.bfloat16 if prefill_attention == "bfloat16" else None)
-    assert f"prefill attention in {prefill_attention}" in runner.info.attention
+    native = prefill_attention == "native"
+    assert runner.prefill_in_place == native
+    shown = "prefill attention native, in place" if native else f"in {prefill_attention}"
+    assert shown in runner.info.attention
     toks = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     first = runner.all_logits([_sched("x", toks, 0, 12, list(range(5)))])["x"]
     got = torch.cat([first, runner.all_logits([_sched("x", toks, 12, 8, list(range(5)))])["x"]])

@@ -113,6 +113,26 @@ def test_prefill_attention_takes_bfloat16_only_with_amx_behind_bfloat16_layers()
         choose_prefill_attention("int8", "cpu", "bfloat16", amx)
 
 
+def test_prefill_attention_takes_the_kernel_with_avx512_bf16_without_amx() -> None:
+    bf16 = frozenset({"avx512f", "avx512_bf16"})
+    chosen = choose_prefill_attention("auto", "cpu", "bfloat16", bf16, in_place=True)
+    assert chosen.dtype == "native" and "avx512_bf16 without AMX" in chosen.reason
+    # without the kernel in this engine, or with float32 layers, or with AMX: as before
+    assert choose_prefill_attention("auto", "cpu", "bfloat16", bf16).dtype == "float32"
+    assert choose_prefill_attention("auto", "cpu", "float32", bf16, in_place=True).dtype == (
+        "float32"
+    )
+    amx = bf16 | {"amx_bf16"}
+    assert choose_prefill_attention("auto", "cpu", "bfloat16", amx, in_place=True).dtype == (
+        "bfloat16"
+    )
+    # asked for explicitly, it needs the kernel
+    explicit = choose_prefill_attention("native", "cpu", "float32", frozenset(), in_place=True)
+    assert explicit.dtype == "native" and explicit.reason == "set explicitly"
+    with pytest.raises(ValueError, match="C decode kernel"):
+        choose_prefill_attention("native", "cpu", "bfloat16", bf16, in_place=False)
+
+
 def test_flags_come_from_the_first_processor() -> None:
     text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512_bf16 sse\n\n"
     text += "processor\t: 1\nflags\t\t: fpu\n"

@@ -104,10 +104,16 @@ class ModelRunner:
         # the KV cache's; int8 rows hold D values and their float32 scale (quantize_rows)
         self.kv_dtype = torch.int8 if kv.dtype == "int8" else DTYPES[kv.dtype]
         prefill = choose_prefill_attention(
-            config.prefill_attention, self.device.type, dtype_name(loaded), read_cpu_flags()
+            config.prefill_attention,
+            self.device.type,
+            dtype_name(loaded),
+            read_cpu_flags(),
+            in_place=self.native is not None,
         )
         # None where SDPA takes q, k and v as they are (CUDA; float32 on CPU)
         self.prefill_dtype = DTYPES[prefill.dtype] if prefill.dtype == "bfloat16" else None
+        # prompt chunks' rows attended by the C kernel with the decode rows (`_in_place`)
+        self.prefill_in_place = prefill.dtype == "native"
         row = mcfg.head_dim + I8_SCALE_BYTES if kv.dtype == "int8" else mcfg.head_dim
         # bytes of K and V for one block across all layers
         block_bytes = (
@@ -151,7 +157,11 @@ class ModelRunner:
             num_threads=self._threads,
             attention=attention
             + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else "")
-            + f"; prefill attention in {prefill.dtype} ({prefill.reason})",
+            + (
+                f"; prefill attention native, in place ({prefill.reason})"
+                if self.prefill_in_place
+                else f"; prefill attention in {prefill.dtype} ({prefill.reason})"
+            ),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
             linear=linear,
         )
@@ -248,6 +258,7 @@ class ModelRunner:
         slots: list[int] = [s.block_ids[s.start // bs] * bs + s.start % bs for s in singles]
         last_row: list[int] = list(range(n_single))
         prefills: list[PrefillChunk] = []
+        in_place_chunks = self.native is not None and self.prefill_in_place
         row = n_single
         for s in chunks:
             n, start = s.num_new_tokens, s.start
@@ -256,17 +267,19 @@ class ModelRunner:
             blocks = np.asarray(s.block_ids[: cdiv(start + n, bs)], dtype=np.int64)
             pos.extend(p.tolist())
             slots.extend((blocks[p // bs] * bs + p % bs).tolist())
+            row += n
+            last_row.append(row - 1)
+            if in_place_chunks:
+                continue
             prefills.append(
                 PrefillChunk(
-                    start=row,
-                    end=row + n,
+                    start=row - n,
+                    end=row,
                     num_context=start,
                     gather_index=None if start == 0 else self._head_rows(blocks[None]),
                     mask=prefill_mask(start, n, self.sliding_window, self.device),
                 )
             )
-            row += n
-            last_row.append(row - 1)
 
         dev = self.device
         if (
@@ -283,7 +296,7 @@ class ModelRunner:
             slot_offsets=slot_mapping % bs,
             decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
-            in_place=self._in_place(singles) if self.native is not None and singles else None,
+            in_place=self._in_place(singles + chunks if in_place_chunks else singles),
             layer_ops=self._step_layer_ops(),
             prefill_dtype=self.prefill_dtype,
             block_size=bs,
@@ -302,13 +315,28 @@ class ModelRunner:
     def _step_layer_ops(self) -> NativeKernels | None:
         return self.layer_ops if self._layers_take_ops else None
 
-    def _in_place(self, singles: list[ScheduledRequest]) -> InPlaceDecode:
-        assert self.native is not None
-        ctx, table = self._block_table(singles, np.int32)
+    def _in_place(self, members: list[ScheduledRequest]) -> InPlaceDecode | None:
+        """The C kernel's rows: each member's new tokens in flat-row order, each row
+        seeing the keys up to its own position (a decode token its whole context, a
+        prompt chunk's row its context and the chunk up to itself: causal), through its
+        sequence's block table repeated per row. None without the kernel or rows."""
+        if self.native is None or not members:
+            return None
+        bs = self.block_size
+        ends = [s.start + s.num_new_tokens for s in members]  # keys the last row sees
+        table = np.empty((len(members), cdiv(max(ends), bs)), dtype=np.int32)
+        for r, s in enumerate(members):
+            used = cdiv(ends[r], bs)
+            table[r, :used] = s.block_ids[:used]
+            table[r, used:] = s.block_ids[used - 1]  # never read: past the row's keys
+        counts = [s.num_new_tokens for s in members]
+        lens = np.concatenate(
+            [np.arange(s.start + 1, e + 1) for s, e in zip(members, ends, strict=True)]
+        )
         return InPlaceDecode(
             kernels=self.native,
-            block_tables=torch.from_numpy(table),
-            context_lens=torch.tensor(ctx, dtype=torch.int32),
+            block_tables=torch.from_numpy(np.repeat(table, counts, axis=0)),  # [T, nb]
+            context_lens=torch.from_numpy(lens.astype(np.int32)),  # [T]
             window=self.sliding_window or 0,
         )
 

@@ -73,11 +73,14 @@ class DecodeGroup:
 
 @dataclass
 class InPlaceDecode:
-    """Decode tokens [0, n) attended by the C kernel straight from the cache blocks."""
+    """Rows [0, n) attended by the C kernel straight from the cache blocks: decode tokens
+    and, where prefill attention is "native", prompt chunks' rows too (each a query over
+    the keys up to its own position; worker.engine.model_runner builds the tables)."""
 
     kernels: NativeKernels
-    block_tables: torch.Tensor  # [n, max_blocks] int32; unused entries are never read
-    context_lens: torch.Tensor  # [n] int32: keys each token sees, itself included
+    block_tables: torch.Tensor  # [n, max_blocks] int32 (a chunk's table once per row);
+    # unused entries are never read
+    context_lens: torch.Tensor  # [n] int32: keys each row sees, itself included
     window: int  # sliding window in tokens, 0 = none
 
 

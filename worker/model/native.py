@@ -50,8 +50,8 @@ class NativeKernels:
 
     @property
     def bf16_scores(self) -> bool:
-        """Whether a bfloat16 cache's scores take q rounded to bfloat16 (vdpbf16ps on a
-        CPU with avx512_bf16) rather than q as it is."""
+        """Whether a bfloat16 cache's scores take q cut into two bfloat16 halves (vdpbf16ps
+        on a CPU with avx512_bf16: within ~1e-5 of q as it is) rather than q as it is."""
         return bool(self.lib.kvflow_bf16_scores())
 
     def paged_decode(
@@ -65,6 +65,8 @@ class NativeKernels:
         scale: float,
         window: int,
     ) -> None:
+        """Attention of n query rows, each over its cached keys up to its own (a decode
+        token, or a prompt chunk's row: see kernels/paged_decode.c)."""
         n, H, D = q.shape
         _, KVH, BS, _ = k_cache.shape
         _check_cache(k_cache, v_cache, D, "reads")
@@ -281,7 +283,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_bf16_scores.argtypes = []
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_rms_norm.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
+        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
     )
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5

@@ -12,12 +12,16 @@
  *   block_tables [n, max_blocks] int32 (a sequence's cache blocks in order)
  *   context_lens [n] int32            (keys visible to the query, its own included)
  * window > 0 limits the keys to the last `window` positions (sliding-window attention).
+ * A row is any query that sees the keys up to its own: a decode token over its context,
+ * or a prompt chunk's row (its table repeated per row, its length its position + 1; the
+ * chunk's own K/V are stored before the kernel runs).
  * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
  * a float32): scores, softmax and sums stay float32. An int8 cache
  * (kvflow_paged_decode_i8) holds rows of D + 4 bytes, D values and then the row's float32
  * scale (value = scale * q): k_cache / v_cache [NB, KVH, BS, D + 4] int8, dequantized as
- * they are read. Where the CPU has avx512_bf16 (and D is a multiple of 32), the keys are not widened: the scores take q rounded to
- * bfloat16 against the stored keys with vdpbf16ps, products summed in float32.
+ * they are read. Where the CPU has avx512_bf16 (and D is a multiple of 32), the keys are
+ * not widened: the scores take q, cut into two bfloat16 halves, against the stored keys
+ * with vdpbf16ps, products summed in float32 (score16_bf16).
  *
  * With AVX-512 (built with -march=native on such a CPU) and D a multiple of 16, the score
  * pass takes 16 keys of a block at a time (their dot products summed by one transpose
@@ -168,24 +172,32 @@ static inline __attribute__((always_inline)) __m512 score16(const float *restric
 }
 
 #if defined(__AVX512BF16__)
-#define QB_MAX 4096 /* G * D of the query heads rounded to bfloat16 on the stack */
+#define QB_MAX 4096 /* G * D of the query heads in bfloat16 halves, on the stack */
 
-/* score16 straight from a bfloat16 cache: q [D] rounded to bfloat16 once per pair, kb
- * [16, D] as stored; vdpbf16ps sums pairs of products in float32 (D a multiple of 32).
- * No widening of the keys: one layer of 64 sequences of 240-300 tokens (30 layers'
- * caches) took 0.87-0.94x the time in four runs alternating both builds, e.g. 0.82
- * against 0.90 ms (AMD EPYC Zen 4, 2 threads), at the price of q's rounding (outputs
- * moved by up to ~0.2% of their largest value). */
-static inline __attribute__((always_inline)) __m512 score16_bf16(const uint16_t *restrict q,
+/* score16 straight from a bfloat16 cache: q [D] cut once per pair into two bfloat16
+ * halves, q_hi (q rounded) and q_lo (what rounding dropped, rounded: 16 of float32's 24
+ * significand bits in all), kb [16, D] as stored; vdpbf16ps sums the products with each
+ * half in float32 (exact products; D a multiple of 32). No widening of the keys: one
+ * layer of 64 sequences of 240-300 tokens (30 layers' caches) took 0.87-0.94x the time
+ * with q_hi alone (AMD EPYC Zen 4, 2 threads, alternating builds). q_lo costs as many
+ * vdpbf16ps again (the kernel 1.03-1.05x the time on an AMD EPYC Zen 5, prompt rows 1.1x)
+ * and keeps the scores within ~1e-5 of float32 q's: with q_hi alone outputs moved by up
+ * to ~0.2% of their largest value, and next-token agreement with float32 over 1,024
+ * positions fell to 1013-1014 (decode and prompt rows through this kernel) where the two
+ * halves give 1016. */
+static inline __attribute__((always_inline)) __m512 score16_bf16(const uint16_t *restrict q_hi,
+                                                                 const uint16_t *restrict q_lo,
                                                                  const uint16_t *restrict kb,
                                                                  const int D) {
     __m512 acc[16];
     for (int j = 0; j < 16; j++) {
         const uint16_t *kr = kb + (size_t)j * D;
         __m512 a = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 32)
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + d),
-                                 (__m512bh)_mm512_loadu_si512(kr + d));
+        for (int d = 0; d < D; d += 32) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + d);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q_hi + d), k);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q_lo + d), k);
+        }
         acc[j] = a;
     }
     return sum16(acc);
@@ -292,9 +304,12 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     for (int g = 0; g < G; g++) mx16[g] = _mm512_set1_ps(-FLT_MAX);
 #endif
 #if defined(__AVX512BF16__)
-    uint16_t qb[QB_MAX] __attribute__((aligned(64)));
+    uint16_t qb[QB_MAX] __attribute__((aligned(64))), ql[QB_MAX] __attribute__((aligned(64)));
     const int dot_bf16 = kind == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
-    for (int i = 0; dot_bf16 && i < G * D; i++) qb[i] = to_bf16(qh[i]);
+    for (int i = 0; dot_bf16 && i < G * D; i++) {
+        qb[i] = to_bf16(qh[i]);
+        ql[i] = to_bf16(qh[i] - from_bf16(qb[i]));
+    }
 #endif
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
@@ -319,18 +334,21 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                     __builtin_prefetch(next + off, 0, 1);
                 for (int g = 0; g < G; g++) {
                     keep16(scores + (size_t)g * m + (t - first + j), mx16 + g,
-                           score16_bf16(qb + (size_t)g * D, kr16 + (size_t)j * D, D), scale);
+                           score16_bf16(qb + (size_t)g * D, ql + (size_t)g * D,
+                                        kr16 + (size_t)j * D, D),
+                           scale);
                 }
             }
             for (size_t off = j * (size_t)D * 2; next != NULL && off < (size_t)BS * D * 2; off += 64)
                 __builtin_prefetch(next + off, 0, 1); /* what is left of a whole block run */
-            for (; j < stop; j++) { /* the run's last keys: the same rounded q */
+            for (; j < stop; j++) { /* the run's last keys: the same two halves */
                 for (int g = 0; g < G; g++) {
-                    const uint16_t *qg = qb + (size_t)g * D, *kr = kr16 + (size_t)j * D;
+                    const uint16_t *qg = qb + (size_t)g * D, *qr = ql + (size_t)g * D;
+                    const uint16_t *kr = kr16 + (size_t)j * D;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                     for (int d = 0; d < D; d++)
-                        s += from_bf16(qg[d]) * from_bf16(kr[d]);
+                        s += (from_bf16(qg[d]) + from_bf16(qr[d])) * from_bf16(kr[d]);
                     s *= scale;
                     scores[(size_t)g * m + (t - first + j)] = s;
                     mx[g] = s > mx[g] ? s : mx[g];
@@ -559,8 +577,9 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
     return failed;
 }
 
-/* 1 where a bfloat16 cache's scores take q rounded to bfloat16 (this build's CPU has
- * avx512_bf16), else 0: the caller's tests compare against the matching reference. */
+/* 1 where a bfloat16 cache's scores take q as two bfloat16 halves against the stored keys
+ * (this build's CPU has avx512_bf16), else 0: scores then differ from float32 q's by ~1e-5
+ * relative, and the caller's tests allow for it. */
 int kvflow_bf16_scores(void) {
 #if defined(__AVX512BF16__)
     return 1;
