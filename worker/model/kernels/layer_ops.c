@@ -129,8 +129,6 @@ void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in
            (size_t)(R - T) * row_bytes(I, out_bf16));
 }
 
-/* heads [heads, D] of a row of either dtype -> dst [heads, D] float32, rotated:
- * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
 /* One row of D values into an int8 cache row [D + 4]: q = round(x * 127 / max |x|), then
  * the scale max |x| / 127 (0 for a zero row). Plain IEEE arithmetic here, not the
  * library's -ffast-math (which divides by 127 as a multiplication by its rounded
@@ -145,6 +143,8 @@ store_i8(char *restrict dst, const float *restrict x, int D) {
     memcpy(dst + D, &sc, sizeof sc);
 }
 
+/* heads [heads, D] of a row of either dtype -> dst [heads, D] float32, rotated:
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
 static inline __attribute__((always_inline)) void
 rotate(const void *src, float *restrict dst, const float *restrict cs, const float *restrict sn,
        int heads, int D, const int in_bf16) {
@@ -166,6 +166,7 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
            void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, int cache_i8,
            const int in_bf16, const int cache_bf16) {
     const int width = (H + 2 * KVH) * D;
+    const size_t i8_row = (size_t)D + sizeof(float); /* an int8 row: D values, its scale */
     float *q_out = out, *k_out = q_out + (size_t)T * H * D, *v_out = k_out + (size_t)T * KVH * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
@@ -181,8 +182,8 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
         for (int h = 0; h < KVH; h++) {
             const size_t row = ((size_t)block * KVH + h) * BS + (size_t)off;
             if (cache_i8) {
-                store_i8((char *)k_cache + row * (D + 4), k + h * D, D);
-                store_i8((char *)v_cache + row * (D + 4), v + h * D, D);
+                store_i8((char *)k_cache + row * i8_row, k + h * D, D);
+                store_i8((char *)v_cache + row * i8_row, v + h * D, D);
                 continue;
             }
             const size_t at = row * D;

@@ -61,7 +61,7 @@
 
 /* Bytes of one cached row of D values. */
 static inline __attribute__((always_inline)) size_t row_bytes(const int kind, const int D) {
-    return kind == KV_I8 ? (size_t)D + 4 : (size_t)D * (kind == KV_BF16 ? 2 : 4);
+    return kind == KV_I8 ? (size_t)D + sizeof(float) : (size_t)D * (kind == KV_BF16 ? 2 : 4);
 }
 
 /* A run of `rows` cached rows as float32 [rows, D]: the run itself for a float32 cache; for
@@ -86,10 +86,11 @@ as_f32(const char *restrict run, int rows, const int D, float *restrict wide, co
         return (const float *)run;
     }
     if (kind == KV_I8) { /* [rows, D + 4] -> [rows, D] float32, each row times its scale */
+        const size_t i8_row = row_bytes(KV_I8, D);
         for (int j = 0; j < rows; j++) {
-            const char *row = run + (size_t)j * (D + 4);
-            for (int off = 0; next != NULL && off < D + 4; off += 64)
-                __builtin_prefetch(next + (size_t)j * (D + 4) + off, 0, 1);
+            const char *row = run + (size_t)j * i8_row;
+            for (size_t off = 0; next != NULL && off < i8_row; off += 64)
+                __builtin_prefetch(next + (size_t)j * i8_row + off, 0, 1);
             float sc;
             memcpy(&sc, row + D, sizeof sc);
             const int8_t *src = (const int8_t *)row;
