@@ -149,6 +149,13 @@ class EngineConfig:
                 f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, "
                 f"got {self.prefill_attention!r}"
             )
+        if self.prefill_attention == "native" and (
+            self.device != "cpu" or self.attention == "torch"
+        ):
+            bad(
+                "prefill_attention 'native' runs prompt rows through the CPU attention kernel: "
+                "it needs device 'cpu' and attention 'auto' or 'native'"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

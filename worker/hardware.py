@@ -152,6 +152,7 @@ def choose_prefill_attention(
     linear_dtype: str,
     cpu_flags: frozenset[str],
     in_place: bool = False,
+    kv_dtype: str = "bfloat16",
 ) -> DtypeChoice:
     """How prefill attention runs on CPU: torch's SDPA over a chunk and its cached context
     in float32 or on bfloat16 copies of q, k and v ("float32", "bfloat16"), or the C decode
@@ -159,8 +160,9 @@ def choose_prefill_attention(
     own position ("native"; `in_place`: the runner has that kernel). Outputs come back to
     the float32 residual stream either way.
 
-    "auto" takes "native" behind bfloat16 linear layers where the CPU has avx512_bf16
-    but no AMX: one layer's prefill attention ran in 0.35-0.54x SDPA's float32 time (8
+    "auto" takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
+    what was measured; an int8 cache would hand prompt rows its rounded K/V where SDPA
+    takes the exact ones) where the CPU has avx512_bf16 but no AMX: one layer's prefill attention ran in 0.35-0.54x SDPA's float32 time (8
     prompts of 256, 16 of 128, 4 of 512, one of 2,048 tokens; AMD EPYC Zen 5, 2 threads,
     alternating), where bfloat16 SDPA ran 1.05-1.12x float32's. Where the CPU has AMX it
     takes bfloat16 SDPA: 0.41-0.49x float32's time at 256-2,048 tokens, casts included,
@@ -184,7 +186,7 @@ def choose_prefill_attention(
         return DtypeChoice(requested, "set explicitly")
     if linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags:
         return DtypeChoice("bfloat16", "auto: AMX and bfloat16 linear layers")
-    if in_place and linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
+    if in_place and kv_dtype == linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
         return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")
     return DtypeChoice("float32", "auto: the activations' dtype")
 

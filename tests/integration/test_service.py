@@ -218,12 +218,12 @@ async def test_burst_is_shared_and_pulled_by_capacity(harness: Harness, tiny_dir
         await results(handles[:free], timeout=120)
         gated = n - free
 
-        async def full() -> int | None:
-            # each worker runs max_seqs held requests at least; 0 would be pulled too many
+        async def full() -> tuple[int] | None:
+            # each worker runs max_seqs held requests at least
             count = await h.ready_count()
-            return count if 0 < count <= gated - 2 * max_seqs else None
+            return (count,) if count <= gated - 2 * max_seqs else None
 
-        ready = await eventually(full, "both workers full of held requests")
+        (ready,) = await eventually(full, "both workers full of held requests")
         # drained part way, and only what two workers' capacity could take
         assert gated - 2 * cap <= ready, f"{ready} ready of {gated} held: pulled past capacity"
         h.release()

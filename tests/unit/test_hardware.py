@@ -8,6 +8,7 @@ import mmap
 import pytest
 
 from tests.procfs import vm_flags
+from worker.config import EngineConfig
 from worker.hardware import (
     HUGE_PAGE,
     THP_SETTING,
@@ -117,8 +118,12 @@ def test_prefill_attention_takes_the_kernel_with_avx512_bf16_without_amx() -> No
     bf16 = frozenset({"avx512f", "avx512_bf16"})
     chosen = choose_prefill_attention("auto", "cpu", "bfloat16", bf16, in_place=True)
     assert chosen.dtype == "native" and "avx512_bf16 without AMX" in chosen.reason
-    # without the kernel in this engine, or with float32 layers, or with AMX: as before
+    # without the kernel in this engine, with float32 layers or another cache, or with AMX:
+    # as before
     assert choose_prefill_attention("auto", "cpu", "bfloat16", bf16).dtype == "float32"
+    for cache in ("int8", "float32"):
+        other = choose_prefill_attention("auto", "cpu", "bfloat16", bf16, True, kv_dtype=cache)
+        assert other.dtype == "float32"
     assert choose_prefill_attention("auto", "cpu", "float32", bf16, in_place=True).dtype == (
         "float32"
     )
@@ -131,6 +136,11 @@ def test_prefill_attention_takes_the_kernel_with_avx512_bf16_without_amx() -> No
     assert explicit.dtype == "native" and explicit.reason == "set explicitly"
     with pytest.raises(ValueError, match="C decode kernel"):
         choose_prefill_attention("native", "cpu", "bfloat16", bf16, in_place=False)
+    # and the config refuses it where it can never apply, before any model loads
+    for wrong in ({"device": "cuda"}, {"attention": "torch"}):
+        with pytest.raises(ValueError, match="prefill_attention 'native'"):
+            EngineConfig(prefill_attention="native", **wrong)
+    assert EngineConfig(prefill_attention="native").prefill_attention == "native"
 
 
 def test_flags_come_from_the_first_processor() -> None:

@@ -109,6 +109,7 @@ class ModelRunner:
             dtype_name(loaded),
             read_cpu_flags(),
             in_place=self.native is not None,
+            kv_dtype=kv.dtype,
         )
         # None where SDPA takes q, k and v as they are (CUDA; float32 on CPU)
         self.prefill_dtype = DTYPES[prefill.dtype] if prefill.dtype == "bfloat16" else None

@@ -312,6 +312,10 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         ql[i] = to_bf16(qh[i] - from_bf16(qb[i]));
     }
 #endif
+    /* A pair of fewer than AHEAD blocks starts its look-ahead in the next run: the first
+     * `skip` steps past its last block land on the first value run (pass 1) or the next
+     * pair's first key run (pass 2), not beyond them. */
+    const int nv = (len - 1) / BS + 1 - first / BS, skip = AHEAD > nv ? AHEAD - nv : 0;
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(k_cache, row, table, t, len, h, KVH, BS, &stop);
@@ -319,7 +323,8 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         const int ahead = (t / BS + AHEAD) * BS, past = ahead - ((len - 1) / BS + 1) * BS;
         const char *next =
             past < 0 ? run_at(k_cache, row, table, ahead, len, h, KVH, BS)
-                     : run_at(v_cache, row, table, (first / BS + past / BS) * BS, len, h, KVH, BS);
+                     : run_at(v_cache, row, table, (first / BS + past / BS - skip) * BS, len, h,
+                              KVH, BS);
         int j = 0;
 #if defined(__AVX512BF16__)
         if (dot_bf16) {
@@ -429,7 +434,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         const int past = t / BS + AHEAD - ((len - 1) / BS + 1);
         const char *next = past < 0 ? run_at(v_cache, row, table, (t / BS + AHEAD) * BS, len, h,
                                              KVH, BS)
-                                    : then[past];
+                                    : then[past - skip];
 #if defined(__AVX512F__)
         if (kind != KV_F32 && in_regs) {
             /* A bfloat16 or int8 run widened in registers, 16 values at a time, each
