@@ -83,7 +83,8 @@ class EngineConfig:
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
     # "float32" on the activations, "native" the C decode kernel in place, a query row at
     # a time; "auto" takes bfloat16 where the CPU has AMX behind bfloat16 linear layers,
-    # native where it has avx512_bf16 without AMX (worker.hardware.choose_prefill_attention).
+    # native where it has avx512_bf16 without AMX, over a bfloat16 cache
+    # (worker.hardware.choose_prefill_attention).
     prefill_attention: str = "auto"
     # Measure decode tokens/s against batch size at start-up and run at most the smallest
     # batch within 5% of the best rate (worker.engine.tuning); max_num_seqs stays the cap.
