@@ -10,9 +10,11 @@ sequence). Every layer writes its new K/V into the cache through `slot_mapping`,
   into a padded scratch tensor and attend with two batched matmuls, the G = heads //
   kv_heads query heads of a KV head taken as G queries against that head (no K/V
   repetition for GQA);
-- a prefill chunk of a fresh prompt attends to its own K/V (causal), no gather;
+- a prefill chunk of a fresh prompt attends to its own K/V (causal, SDPA), no gather;
 - a chunk that continues a cached prefix (chunked prefill, prefix-cache hit) gathers
-  its sequence's blocks and uses a causal mask shifted by the cached length.
+  its sequence's blocks and uses a causal mask shifted by the cached length;
+- with prefill attention "native" (CPU), prompt chunks skip both: each of their rows
+  joins the kernel's call as a query over the keys up to its own position.
 
 The cache is head-major, [num_blocks, KVH, block_size, D]: a block holds KVH runs of
 block_size keys, one per KV head, so gathering rows (block * KVH + head) in the order
