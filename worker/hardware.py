@@ -162,9 +162,10 @@ def choose_prefill_attention(
 
     "auto" takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
     what was measured; an int8 cache would hand prompt rows its rounded K/V where SDPA
-    takes the exact ones) where the CPU has avx512_bf16 but no AMX: one layer's prefill attention ran in 0.35-0.54x SDPA's float32 time (8
-    prompts of 256, 16 of 128, 4 of 512, one of 2,048 tokens; AMD EPYC Zen 5, 2 threads,
-    alternating), where bfloat16 SDPA ran 1.05-1.12x float32's. Where the CPU has AMX it
+    takes the exact ones) where the CPU has avx512_bf16 but no AMX: one layer's prefill
+    attention ran in 0.36-0.60x float32 SDPA's time and whole prefill steps in
+    0.75-0.87x (8 prompts of 256, 16 of 128, 4 of 512, one of 2,048 tokens; AMD EPYC Zen
+    5, 2 threads, alternating), where bfloat16 SDPA ran 1.05-1.12x float32's. Where the CPU has AMX it
     takes bfloat16 SDPA: 0.41-0.49x float32's time at 256-2,048 tokens, casts included,
     and 8 prompts of 512 prefilled in 0.74x the time (Intel Xeon with AMX, alternating);
     the kernel was not measured there. Elsewhere float32 SDPA. On CUDA attention runs

@@ -259,7 +259,6 @@ class ModelRunner:
         slots: list[int] = [s.block_ids[s.start // bs] * bs + s.start % bs for s in singles]
         last_row: list[int] = list(range(n_single))
         prefills: list[PrefillChunk] = []
-        in_place_chunks = self.native is not None and self.prefill_in_place
         row = n_single
         for s in chunks:
             n, start = s.num_new_tokens, s.start
@@ -270,7 +269,7 @@ class ModelRunner:
             slots.extend((blocks[p // bs] * bs + p % bs).tolist())
             row += n
             last_row.append(row - 1)
-            if in_place_chunks:
+            if self.prefill_in_place:  # the chunk's rows join the kernel's (`_in_place`)
                 continue
             prefills.append(
                 PrefillChunk(
@@ -297,7 +296,7 @@ class ModelRunner:
             slot_offsets=slot_mapping % bs,
             decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
-            in_place=self._in_place(singles + chunks if in_place_chunks else singles),
+            in_place=self._in_place(singles + chunks if self.prefill_in_place else singles),
             layer_ops=self._step_layer_ops(),
             prefill_dtype=self.prefill_dtype,
             block_size=bs,
@@ -323,32 +322,30 @@ class ModelRunner:
         sequence's block table repeated per row. None without the kernel or rows."""
         if self.native is None or not members:
             return None
-        bs = self.block_size
-        ends = [s.start + s.num_new_tokens for s in members]  # keys the last row sees
-        table = np.empty((len(members), cdiv(max(ends), bs)), dtype=np.int32)
-        for r, s in enumerate(members):
-            used = cdiv(ends[r], bs)
-            table[r, :used] = s.block_ids[:used]
-            table[r, used:] = s.block_ids[used - 1]  # never read: past the row's keys
-        counts = [s.num_new_tokens for s in members]
-        lens = np.concatenate(
-            [np.arange(s.start + 1, e + 1) for s, e in zip(members, ends, strict=True)]
-        )
+        ends, table = self._block_table(members, np.int32)
+        lens = np.asarray(ends, dtype=np.int32)  # [n]: a row each (decode-only steps)
+        counts = np.asarray([s.num_new_tokens for s in members])
+        rows = int(counts.sum())
+        if rows > len(members):  # prompt chunks: a row per new token
+            # a member's row sees the member's end less the member's rows after it
+            after = np.cumsum(counts).repeat(counts) - np.arange(1, rows + 1)
+            lens = (lens.repeat(counts) - after).astype(np.int32)
+            table = table.repeat(counts, axis=0)
         return InPlaceDecode(
             kernels=self.native,
-            block_tables=torch.from_numpy(np.repeat(table, counts, axis=0)),  # [T, nb]
-            context_lens=torch.from_numpy(lens.astype(np.int32)),  # [T]
+            block_tables=torch.from_numpy(table),  # [T, nb]
+            context_lens=torch.from_numpy(lens),  # [T]
             window=self.sliding_window or 0,
         )
 
     def _block_table(
         self, members: list[ScheduledRequest], dtype: type[np.integer]
     ) -> tuple[list[int], np.ndarray]:
-        """Context lengths of single-token rows and their block tables [n, max blocks];
-        a short row repeats its last block (any valid block: the keys past its length
-        are masked or never read)."""
+        """Keys each member's last new row sees (its context and its new tokens) and the
+        block tables [n, max blocks] that hold them; a short row repeats its last block
+        (any valid block: the keys past its length are masked or never read)."""
         bs = self.block_size
-        ctx = [s.start + 1 for s in members]
+        ctx = [s.start + s.num_new_tokens for s in members]
         table = np.empty((len(members), cdiv(max(ctx), bs)), dtype=dtype)
         for r, s in enumerate(members):
             used = cdiv(ctx[r], bs)

@@ -270,6 +270,11 @@ static inline const char *block_run(const void *cache, size_t row, const int32_t
     return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS + off) * row;
 }
 
+/* The first key a row of `len` keys sees: 0, or len - window under a sliding window. */
+static inline int first_key(int len, int window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
 /* Prefetch distance in blocks: a sequence's blocks lie anywhere in the cache, where the
  * hardware prefetcher does not follow, so the kernel asks for the run this many blocks
  * ahead while it computes the current one (1 to 3 measured alike; 2 a little ahead). */
@@ -553,7 +558,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
             for (int h = 0; h < KVH; h++) {
                 if (!ok) continue;
                 const int len = context_lens[i];
-                const int first = (window > 0 && len > window) ? len - window : 0;
+                const int first = first_key(len, window);
                 const int32_t *table = block_tables + (size_t)i * max_blocks;
                 /* The first key runs of the pair this thread likely takes next (pairs are
                  * handed out in order, one at a time), asked for as this pair's last value
@@ -565,7 +570,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 const int guess = i * KVH + h + threads;
                 if (guess < n * KVH) {
                     const int gi = guess / KVH, glen = context_lens[gi];
-                    const int gfirst = (window > 0 && glen > window) ? glen - window : 0;
+                    const int gfirst = first_key(glen, window);
                     for (int b = 0; b < AHEAD; b++)
                         then[b] = run_at(k_cache, row_bytes(kind, D),
                                          block_tables + (size_t)gi * max_blocks,
