@@ -19,9 +19,9 @@
  * a float32): scores, softmax and sums stay float32. An int8 cache
  * (kvflow_paged_decode_i8) holds rows of D + 4 bytes, D values and then the row's float32
  * scale (value = scale * q): k_cache / v_cache [NB, KVH, BS, D + 4] int8, dequantized as
- * they are read. Where the CPU has avx512_bf16 (and D is a multiple of 32), the keys are
- * not widened: the scores take q, cut into two bfloat16 halves, against the stored keys
- * with vdpbf16ps, products summed in float32 (score16_bf16).
+ * they are read. Where the CPU has avx512_bf16 but no AMX (and D is a multiple of 32), the
+ * keys are not widened: the scores take q, cut into two bfloat16 halves, against the
+ * stored keys with vdpbf16ps, products summed in float32 (score16_bf16; KVFLOW_DOT_BF16).
  *
  * With AVX-512 (built with -march=native on such a CPU) and D a multiple of 16, the score
  * pass takes 16 keys of a block at a time (their dot products summed by one transpose
@@ -48,6 +48,17 @@
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define KVFLOW_AVX2 1
+#endif
+
+/* Scores from a bfloat16 cache by vdpbf16ps (score16_bf16) only where the CPU has
+ * avx512_bf16 but not AMX. On an Intel Xeon with AMX (and so avx512_bf16) vdpbf16ps issues
+ * at about half the rate of float32 FMAs (16 independent chains: 1.06 against 1.82 per
+ * ns), and keys widened to float32 for FMAs took 0.85-0.87x the kernel's time (64
+ * sequences of 216-295 tokens, 30 layers' caches, blocks scattered, 2 threads, both
+ * builds alternating), with q used as it is. On AMD EPYC Zen 4 and Zen 5 (no AMX) the
+ * vdpbf16ps scores were the faster (see score16_bf16). */
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#define KVFLOW_DOT_BF16 1
 #endif
 
 #define MAX_GROUP 64
@@ -172,7 +183,7 @@ static inline __attribute__((always_inline)) __m512 score16(const float *restric
     return sum16(acc);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_DOT_BF16)
 #define QB_MAX 4096 /* G * D of the query heads in bfloat16 halves, on the stack */
 
 /* score16 straight from a bfloat16 cache: q [D] cut once per pair into two bfloat16
@@ -309,7 +320,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     __m512 mx16[MAX_GROUP]; /* keep16's maxima per lane, for 16 keys at a time */
     for (int g = 0; g < G; g++) mx16[g] = _mm512_set1_ps(-FLT_MAX);
 #endif
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_DOT_BF16)
     uint16_t qb[QB_MAX] __attribute__((aligned(64))), ql[QB_MAX] __attribute__((aligned(64)));
     const int dot_bf16 = kind == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
     for (int i = 0; dot_bf16 && i < G * D; i++) {
@@ -331,7 +342,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                      : run_at(v_cache, row, table, (first / BS + past / BS - skip) * BS, len, h,
                               KVH, BS);
         int j = 0;
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_DOT_BF16)
         if (dot_bf16) {
             /* The run AHEAD blocks on asked for 16 rows at a time as this one's are
              * scored, rather than all at once: 0.89-0.92x the kernel's time (AMD EPYC
@@ -589,10 +600,10 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
 }
 
 /* 1 where a bfloat16 cache's scores take q as two bfloat16 halves against the stored keys
- * (this build's CPU has avx512_bf16), else 0: scores then differ from float32 q's by ~1e-5
- * relative, and the caller's tests allow for it. */
+ * (this build's CPU has avx512_bf16 and no AMX: KVFLOW_DOT_BF16), else 0: scores then
+ * differ from float32 q's by ~1e-5 relative, and the caller's tests allow for it. */
 int kvflow_bf16_scores(void) {
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_DOT_BF16)
     return 1;
 #else
     return 0;
