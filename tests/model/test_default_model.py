@@ -27,7 +27,8 @@ MAX_TOKENS = 32
 # The bfloat16 agreement tests' sample: 16 prompts x 64 positions. At 5 prompts (320
 # positions) the measured 317 agreeing was the smallest count over 99%, so one position
 # moved by a CPU's rounding decided the test; over 1,024 the Intel Xeon measured
-# 1016-1018 (99.2-99.4%) against a bar of 1014.
+# 1016-1018 (99.2-99.4%) against a bar of 1014, a later Xeon VM 1014-1016 (prefill with
+# float32 SDPA, and decode over a bfloat16 cache with float32 scores: 1014).
 AGREEMENT_PROMPTS = (
     *PROMPTS,
     "Give me a recipe for a simple tomato soup.",
