@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
+from worker.engine.agreement import prefill_agreement
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
@@ -99,20 +100,6 @@ def _scheduled(ids: list[list[int]], outs: list[list[int]], i: int, start: int, 
     )
 
 
-def _prefill_agreement(
-    runner: ModelRunner, ids: list[list[int]], outs: list[list[int]]
-) -> tuple[int, int]:
-    """(agreeing, total) next tokens, each sequence's positions in one prefill pass."""
-    agree = total = 0
-    for i, out in enumerate(outs):
-        n = len(ids[i]) + len(out) - 1  # the last token is never an input
-        logits = runner.all_logits([_scheduled(ids, outs, i, 0, n)])[str(i)]
-        picks = logits[len(ids[i]) - 1 :].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(picks, out, strict=True))
-        total += len(out)
-    return agree, total
-
-
 def _decode_agreement(
     runner: ModelRunner, ids: list[list[int]], outs: list[list[int]]
 ) -> tuple[int, int]:
@@ -145,7 +132,7 @@ def test_bfloat16_next_token_agrees_with_float32(default_model_dir, prefill_atte
     loaded = load_model(str(default_model_dir), dtype="bfloat16")
     assert loaded.model.narrow_head is not None  # measured here with the narrow projection
     bf16 = ModelRunner(EngineConfig(num_kv_blocks=256, prefill_attention=prefill_attention), loaded)
-    agree, total = _prefill_agreement(bf16, ids, outs)
+    agree, total = prefill_agreement(bf16, ids, outs)
     print(f"prefill attention in {prefill_attention}: {agree}/{total}")
     assert total == 64 * len(AGREEMENT_PROMPTS)
     amx = "amx_bf16" in read_cpu_flags()
@@ -163,7 +150,7 @@ def test_an_int8_output_projection_keeps_float32_picks(default_model_dir) -> Non
     loaded = load_model(str(default_model_dir), dtype="float32", head_dtype="int8")
     assert isinstance(loaded.model.narrow_head, Int8Linear)
     runner = ModelRunner(EngineConfig(num_kv_blocks=256), loaded)
-    agree, total = _prefill_agreement(runner, ids, outs)
+    agree, total = prefill_agreement(runner, ids, outs)
     print(f"int8 output projection: {agree}/{total}")
     assert total == 64 * len(AGREEMENT_PROMPTS)
     assert agree / total >= 0.99, f"int8 output projection: {agree}/{total} next tokens agree"
@@ -214,7 +201,7 @@ def test_int8_next_token_agreement_with_float32(default_model_dir) -> None:
         EngineConfig(num_kv_blocks=256), load_model(str(default_model_dir), dtype="int8")
     )
     assert int8.kv_dtype == torch.float32
-    agree, total = _prefill_agreement(int8, ids, outs)
+    agree, total = prefill_agreement(int8, ids, outs)
     print(f"int8 prefill: {agree}/{total}")
     _int8_check(agree, total)
     agree, total = _decode_agreement(int8, ids, outs)

@@ -1,0 +1,261 @@
+"""The CUDA path's first run in one command: correctness on the device, then throughput.
+
+    python ops/bench/gpu.py --out bench-results/gpu         # a CUDA machine, a few minutes
+    python ops/bench/gpu.py --device cpu --quick --out /tmp/gpu   # the same steps, small
+
+Correctness, on the default model, on the device:
+  greedy     float32 greedy output (5 chat prompts x 32 tokens) equals transformers'
+             float32 greedy `generate` on the same device
+  agreement  bfloat16's next-token picks under teacher forcing equal float32's greedy
+             continuations at >= 99% of positions (8 prompts x 64)
+Throughput, kvflow continuous in bfloat16, each workload after a short warm-up: the
+long-tail batch job (64 requests) and the mixed workload (256 requests) on the default
+model and on a ~1B random-weight Llama (Llama 3.2 1B's shape with the default
+tokenizer's vocabulary, seeded): output and computed tok/s, TTFT, ITL and e2e.
+`--quick` shrinks every part (a 2-layer random model, 8 requests) to check the script
+itself. Prints the tables and writes gpu.json and gpu.md under --out; exit status 1 when
+a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import Result, run_kvflow
+from workload import Workload, make_longtail_workload, make_workload
+
+from worker.config import EngineConfig
+from worker.engine.agreement import prefill_agreement
+from worker.engine.engine import LLMEngine
+from worker.hardware import AGREEMENT_BAR
+from worker.model.gguf import cached_conversion, default_model_path
+from worker.request import SamplingParams
+
+CHAT = (
+    "Name three rivers in Europe.",
+    "Write two lines about a lighthouse.",
+    "Why does ice float on water?",
+    "Give one tip for learning to cook.",
+    "Quelle est la capitale de l'Italie ?",
+    "What is a prime number?",
+    "Describe a rainy afternoon in one sentence.",
+    "How many legs does a spider have?",
+)
+# Llama 3.2 1B's shape (1.0B parameters with this vocabulary), tied embeddings.
+ONE_B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    greedy_prompts: int
+    greedy_tokens: int
+    agreement_prompts: int
+    agreement_positions: int
+    longtail: int
+    mixed: int
+    output_max: int
+
+
+FULL = Sizes(5, 32, 8, 64, 64, 256, 512)
+QUICK = Sizes(2, 8, 2, 16, 8, 8, 24)
+
+
+def check_greedy(device: str, s: Sizes) -> dict[str, object]:
+    """kvflow's float32 greedy tokens against transformers' on the same device."""
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(device=device, dtype="float32", num_kv_blocks=256))
+    tok = engine.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT[: s.greedy_prompts]]
+    ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=s.greedy_tokens))
+    ref = AutoModelForCausalLM.from_pretrained(engine.loaded.path, dtype=torch.float32)
+    ref = ref.to(device).eval()
+    equal = []
+    for prompt, out in zip(ids, ours, strict=True):
+        with torch.no_grad():
+            gen = ref.generate(
+                torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                max_new_tokens=s.greedy_tokens,
+                do_sample=False,
+                eos_token_id=list(tok.eos_token_ids),
+                pad_token_id=tok.eos_token_ids[0],
+            )
+        equal.append(out.token_ids == gen[0, len(prompt) :].tolist())
+    return {"equal": sum(equal), "of": len(equal), "ok": all(equal)}
+
+
+def check_agreement(device: str, s: Sizes) -> dict[str, object]:
+    """bfloat16's greedy picks against float32's continuations, teacher forced."""
+    f32 = LLMEngine(EngineConfig(device=device, dtype="float32", num_kv_blocks=256))
+    tok = f32.tokenizer
+    chats = CHAT[: s.agreement_prompts]
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in chats]
+    params = SamplingParams(temperature=0.0, max_tokens=s.agreement_positions, ignore_eos=True)
+    outs = [o.token_ids for o in f32.generate(ids, params)]
+    del f32
+    bf16 = LLMEngine(EngineConfig(device=device, dtype="bfloat16", num_kv_blocks=256))
+    agree, total = prefill_agreement(bf16.runner, ids, outs)
+    return {"agree": agree, "of": total, "ok": agree / total >= AGREEMENT_BAR}
+
+
+def random_llama(out: Path, shape: dict[str, int], default_dir: Path) -> Path:
+    """An HF directory: a Llama of `shape` with seeded random bfloat16 weights and the
+    default model's tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_dir / f).exists():
+            shutil.copy(default_dir / f, out / f)
+    return out
+
+
+def throughput(model: str, device: str, s: Sizes, name: str) -> list[Result]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            device=device,
+            dtype="bfloat16" if device != "cpu" else "auto",
+            max_num_seqs=256,
+        )
+    )
+    tok = engine.tokenizer
+    runs = {
+        "longtail": make_longtail_workload(tok, s.longtail, seed=1),
+        "mixed": make_workload(tok, s.mixed, seed=1, output_range=(8, s.output_max)),
+    }
+    results = []
+    for wl_name, wl in runs.items():
+        run_kvflow(engine, Workload(wl.prompts[:4], [4] * 4), "warmup")
+        r = run_kvflow(engine, wl, f"{name}, {wl_name} ({len(wl.prompts)} requests)")
+        r.prompt_tokens = wl.prompt_tokens
+        results.append(r)
+    return results
+
+
+def table(results: list[Result]) -> str:
+    rows = [
+        "| run | output tok/s | computed tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
+        "| e2e p50 / p99 (s) | mean batch |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.system} | {r.tok_s:.1f} | {r.computed_tok_s:.0f} "
+            f"| {r.q('ttft', 50):.2f} / {r.q('ttft', 99):.2f} "
+            f"| {r.q('itl', 50) * 1000:.1f} / {r.q('itl', 99) * 1000:.1f} "
+            f"| {r.q('e2e', 50):.1f} / {r.q('e2e', 99):.1f} | {r.extra['mean_batch']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def device_line(device: str) -> str:
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(device)
+        return (
+            f"{p.name}, compute capability {p.major}.{p.minor}, "
+            f"{p.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
+    return f"CPU; torch {torch.__version__}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="every part small: checks the script")
+    ap.add_argument("--out", type=Path, default=Path("bench-results/gpu"))
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(
+            "no CUDA device here (torch.cuda.is_available() is False); --device cpu runs the steps on CPU"
+        )
+    s = QUICK if args.quick else FULL
+    args.out.mkdir(parents=True, exist_ok=True)
+    where = device_line(args.device)
+    print(where, file=sys.stderr)
+    greedy = check_greedy(args.device, s)
+    print(f"greedy float32 equals transformers: {greedy['equal']}/{greedy['of']}", file=sys.stderr)
+    agreement = check_agreement(args.device, s)
+    print(f"bfloat16 agreement: {agreement['agree']}/{agreement['of']}", file=sys.stderr)
+    default_dir = cached_conversion(default_model_path())
+    results = throughput(str(default_dir), args.device, s, "default model")
+    with tempfile.TemporaryDirectory() as tmp:
+        big = random_llama(Path(tmp), SMALL if args.quick else ONE_B, default_dir)
+        results += throughput(
+            str(big),
+            args.device,
+            s,
+            "random Llama, 1B shape" if not args.quick else "random Llama, 2 layers",
+        )
+    md = "\n\n".join(
+        [
+            where,
+            f"Default model: float32 greedy equals transformers' on {greedy['equal']} of "
+            f"{greedy['of']} prompts; bfloat16 next-token agreement {agreement['agree']} of "
+            f"{agreement['of']} (bar {AGREEMENT_BAR:.0%}).",
+            table(results),
+        ]
+    )
+    print(md)
+    (args.out / "gpu.md").write_text(md + "\n")
+    record = {
+        "device": where,
+        "greedy": greedy,
+        "agreement": agreement,
+        "runs": [
+            {
+                "run": r.system,
+                "output_tok_s": r.tok_s,
+                "computed_tok_s": r.computed_tok_s,
+                "ttft_p50_s": r.q("ttft", 50),
+                "itl_p50_s": r.q("itl", 50),
+                "e2e_p50_s": r.q("e2e", 50),
+                "mean_batch": r.extra["mean_batch"],
+            }
+            for r in results
+        ],
+    }
+    (args.out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
+    if not (greedy["ok"] and agreement["ok"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
