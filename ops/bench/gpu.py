@@ -20,6 +20,7 @@ a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -80,6 +81,7 @@ class Sizes:
     output_max: int
 
 
+CUDA_KV_BYTES = 16 << 30
 FULL = Sizes(5, 32, 8, 64, 64, 256, 512)
 QUICK = Sizes(2, 8, 2, 16, 8, 8, 24)
 
@@ -111,6 +113,7 @@ def check_greedy(device: str, s: Sizes) -> dict[str, object]:
 
 def check_agreement(device: str, s: Sizes) -> dict[str, object]:
     """bfloat16's greedy picks against float32's continuations, teacher forced."""
+    release(device)
     f32 = LLMEngine(EngineConfig(device=device, dtype="float32", num_kv_blocks=256))
     tok = f32.tokenizer
     chats = CHAT[: s.agreement_prompts]
@@ -118,6 +121,7 @@ def check_agreement(device: str, s: Sizes) -> dict[str, object]:
     params = SamplingParams(temperature=0.0, max_tokens=s.agreement_positions, ignore_eos=True)
     outs = [o.token_ids for o in f32.generate(ids, params)]
     del f32
+    release(device)
     bf16 = LLMEngine(EngineConfig(device=device, dtype="bfloat16", num_kv_blocks=256))
     agree, total = prefill_agreement(bf16.runner, ids, outs)
     return {"agree": agree, "of": total, "ok": agree / total >= AGREEMENT_BAR}
@@ -145,13 +149,25 @@ def random_llama(out: Path, shape: dict[str, int], default_dir: Path) -> Path:
     return out
 
 
+def release(device: str) -> None:
+    """Free what the last engine held, so the next one's KV budget sees the memory."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def throughput(model: str, device: str, s: Sizes, name: str) -> list[Result]:
+    release(device)
+    cuda = device.startswith("cuda")
     engine = LLMEngine(
         EngineConfig(
             model=model,
             device=device,
-            dtype="bfloat16" if device != "cpu" else "auto",
+            dtype="bfloat16" if cuda else "auto",
             max_num_seqs=256,
+            # ample for 256 requests of up to ~1,000 tokens on either model, and bounded
+            # (the default takes 90% of the free memory, slow to allocate and zero)
+            kv_cache_bytes=CUDA_KV_BYTES if cuda else None,
         )
     )
     tok = engine.tokenizer
