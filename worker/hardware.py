@@ -17,6 +17,10 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # CPU flags (as /proc/cpuinfo spells them) that mean bfloat16 matmuls run natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -196,6 +200,18 @@ def int8_reduce_range(cpu_flags: frozenset[str]) -> bool:
     """Whether int8 linear layers quantize their inputs to 7 bits (worker.model.quant):
     only where the CPU lacks integer dot products and 8 bits could saturate."""
     return not any(f in cpu_flags for f in INT8_DOT_FLAGS)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`name` as a torch.device with its index: "cuda" alone is the current CUDA device.
+    Tensors made on "cuda" report "cuda:N", and a generator made on "cuda" keeps no index,
+    so the two would compare unequal (the sampler refuses logits not on its device)."""
+    import torch
+
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

@@ -183,3 +183,24 @@ def test_bfloat16_decode_close_to_reference(
     )
     assert (got - want[20:28]).abs().max() < 0.1 * want[20:28].abs().max()
     assert (got.argmax(-1) == want[20:28].argmax(-1)).float().mean() > 0.8
+
+
+def test_a_half_precision_model_takes_float32_logits(tiny_model_dir) -> None:
+    """A model in bfloat16 throughout (as on CUDA) computes its logits from a float32 copy
+    of the output projection against the final norm's output widened, not rounded to
+    bfloat16; on CPU the loader leaves it to the narrow projection (or float32 layers)."""
+    loaded = load_model(str(tiny_model_dir("llama3")), dtype="bfloat16")
+    model = loaded.model
+    assert model.float_head is None  # CPU: a float32 residual stream, no copy
+    model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(5, loaded.config.hidden_size, generator=g).to(torch.bfloat16)
+    rounded = model.compute_logits(hidden)
+    model.float_output_projection()
+    assert model.float_head is not None and model.float_head.dtype == torch.float32
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    want = torch.nn.functional.linear(model.norm(hidden).float(), head.float())
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    assert not torch.equal(logits, rounded)  # the bfloat16 path rounds what this keeps

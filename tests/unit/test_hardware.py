@@ -21,6 +21,7 @@ from worker.hardware import (
     choose_prefill_attention,
     int8_reduce_range,
     parse_cpu_flags,
+    resolve_device,
 )
 
 AMD_EPYC_FLAGS = frozenset(["fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
@@ -193,3 +194,14 @@ def test_huge_pages_are_asked_for_whole_pages_only_where_the_kernel_allows(tmp_p
         assert ("hg" in vm_flags(address + 4 * HUGE_PAGE)) == took
     finally:
         region.close()
+
+
+def test_a_bare_cuda_device_gets_the_current_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors on "cuda" report "cuda:N"; the sampler's generator must be made on that,
+    or every sampled step is refused as being on another device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")

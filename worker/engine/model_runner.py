@@ -22,6 +22,7 @@ from worker.hardware import (
     choose_prefill_attention,
     detect_cores,
     read_cpu_flags,
+    resolve_device,
 )
 from worker.model.attention import (
     AttentionMetadata,
@@ -84,7 +85,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.model = loaded.model
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)  # "cuda" -> "cuda:N"
         act_dtype = activation_dtype(loaded)  # float32 on CPU, whatever the linear layers'
         mcfg = loaded.config
         self.sliding_window = mcfg.sliding_window
@@ -221,6 +222,8 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
         sampling = inp.sampling
         if not sampling:
+            if self.device.type == "cuda":  # the forward's time, not its launches'
+                torch.cuda.synchronize(self.device)
             return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))  # [S, V]
         if self.device.type == "cuda":

@@ -216,8 +216,10 @@ def paged_attention(
         kg = widen(kg.view(n * kvh, L, row), q.dtype)  # contiguous per (sequence, KV head)
         vg = widen(vg.view(n * kvh, L, row), q.dtype)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
-        # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf.
-        s = torch.bmm(qg, kg.transpose(1, 2)).float().mul_(scale)
+        # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf. Half
+        # precision q and K (CUDA) are widened first: their product rounded to bfloat16
+        # moved greedy picks (decode agreement 506 of 512 against 508, emulated on CPU).
+        s = torch.bmm(qg.float(), kg.float().transpose(1, 2)).mul_(scale)
         s.view(n, kvh, group, L).masked_fill_(~g.mask, -torch.inf)
         probs = torch.softmax(s, -1).to(vg.dtype)
         out[g.start : g.end] = torch.bmm(probs, vg).view(n, H, D)

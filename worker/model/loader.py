@@ -75,8 +75,10 @@ def load_model(
     default model's next token agreed with float32's at 98.4% of positions, with a
     float32 one 99.1% (tests/model/test_default_model.py); a model with a hidden size
     under NARROW_HEAD_MIN_HIDDEN keeps one float32 projection. On CUDA the whole model
-    takes `dtype`. "int8" (CPU only) loads the linear layers in float32 and quantizes
-    them (`Int8Linear`), the output projection's narrow copy included. `head_dtype`
+    takes `dtype`, its logits computed from a float32 copy of the output projection
+    (`LlamaForCausalLM.float_output_projection`). "int8" (CPU only) loads the linear
+    layers in float32 and quantizes them (`Int8Linear`), the output projection's narrow
+    copy included. `head_dtype`
     (CPU; a key of DTYPES) sets the narrow copy's dtype apart from the linear layers':
     "int8" beside float32 layers (`worker.hardware.choose_output_head`).
     """
@@ -100,6 +102,8 @@ def load_model(
         _quantize_decoder(net, reduce_range)
     if narrow:
         net.narrow_output_projection(head, reduce_range)
+    elif dev.type != "cpu" and act_dtype in (torch.bfloat16, torch.float16):
+        net.float_output_projection()  # the whole model in half precision: float32 logits
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
     name = path.name.split("-")[0] if model is None else Path(model).stem

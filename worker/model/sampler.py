@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.hardware import resolve_device
 from worker.model.candidates import argmax, race_candidates, top_candidates
 from worker.model.penalties import index_tensor, penalized
 from worker.model.sampling_types import SamplerOutput, SamplingRow, TokenLogprobs
@@ -50,7 +51,7 @@ class Sampler:
     """
 
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
-        self.device = torch.device(device)
+        self.device = resolve_device(str(device))  # with its index, as tensors report it
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
 
