@@ -204,3 +204,31 @@ def test_a_half_precision_model_takes_float32_logits(tiny_model_dir) -> None:
     want = torch.nn.functional.linear(model.norm(hidden).float(), head.float())
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
     assert not torch.equal(logits, rounded)  # the bfloat16 path rounds what this keeps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_in_half_precision_throughout_runs_the_engine(tiny_model_dir, dtype) -> None:
+    """The CUDA path's dtypes, on CPU: every tensor of the model in half precision (the
+    residual stream, norms, rotary tables, K/V), the torch ops for attention and linear
+    layers, float32 logits. The engine generates through prefill and decode, and its
+    greedy tokens are mostly float32's (half precision may flip a near-tie)."""
+    from worker.engine.engine import LLMEngine
+
+    path = str(tiny_model_dir("llama3"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 40, 64)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cfg = EngineConfig(num_kv_blocks=64, attention="torch", linear="torch")
+    full = LLMEngine(cfg, loaded=load_model(path, dtype="float32")).generate(prompts, params)
+    loaded = load_model(path, dtype="bfloat16")
+    loaded.model.to(dtype)
+    loaded.model.float_output_projection()
+    half_cfg = EngineConfig(
+        num_kv_blocks=64, attention="torch", linear="torch", prefill_attention="float32"
+    )
+    engine = LLMEngine(half_cfg, loaded=loaded)
+    assert loaded.model.embed_tokens.weight.dtype == dtype
+    half = engine.generate(prompts, params)
+    assert all(len(h.token_ids) == 12 for h in half)
+    agree = sum(h.token_ids[0] == f.token_ids[0] for h, f in zip(half, full, strict=True))
+    assert agree >= len(full) - 1
