@@ -181,7 +181,8 @@ def test_static_mode_same_tokens_more_steps(tiny) -> None:
 
 
 def test_small_cpu_steps_run_on_one_thread(tiny) -> None:
-    """A step of one or two tokens runs on one OpenMP thread, larger ones on all."""
+    """A step of one or two tokens of a small model runs on one OpenMP thread, larger
+    ones on all."""
     before = torch.get_num_threads()
     try:
         eng = make_engine(tiny, num_threads=2)
@@ -276,3 +277,22 @@ def test_the_kv_cache_asks_for_huge_pages_and_starts_zeroed(tiny) -> None:
             assert t.numel() * t.element_size() >= 4 * HUGE_PAGE
             assert ("hg" in vm_flags(t.data_ptr() + 2 * HUGE_PAGE)) == allowed
             assert not t.any()
+
+
+def test_small_steps_of_a_large_model_keep_every_thread(
+    tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SMALL_MODEL_BYTES of weights a step streams them, and two threads read faster
+    than one: its one-token steps keep the threads (here the limit is lowered under the
+    tiny model's size rather than a large model loaded)."""
+    import worker.engine.model_runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "SMALL_MODEL_BYTES", 0)
+    before = torch.get_num_threads()
+    try:
+        eng = make_engine(tiny, num_threads=2)
+        eng.add_request("one", [5], SamplingParams(max_tokens=1))
+        eng.step()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
