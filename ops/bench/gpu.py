@@ -13,7 +13,7 @@ long-tail batch job (64 requests) and the mixed workload (256 requests) on the d
 model and on a ~1B random-weight Llama (Llama 3.2 1B's shape with the default
 tokenizer's vocabulary, seeded): output and computed tok/s, TTFT, ITL and e2e.
 `--quick` shrinks every part (a 2-layer random model, 8 requests) to check the script
-itself. Prints the tables and writes gpu.json and gpu.md under --out; exit status 1 when
+itself; its agreement (32 positions) is reported, not held to the bar. Prints the tables and writes gpu.json and gpu.md under --out; exit status 1 when
 a correctness check fails.
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine import Result, run_kvflow
-from workload import Workload, make_longtail_workload, make_workload
+from workload import make_longtail_workload, make_workload
 
 from worker.config import EngineConfig
 from worker.engine.agreement import prefill_agreement
@@ -171,13 +171,16 @@ def throughput(model: str, device: str, s: Sizes, name: str) -> list[Result]:
         )
     )
     tok = engine.tokenizer
+    # warm-up prompts of their own: the workloads' prompts must not find their openings
+    # already in the prefix cache
+    warm = make_workload(tok, 4, seed=99, prompt_range=(16, 64), output_range=(4, 4))
     runs = {
         "longtail": make_longtail_workload(tok, s.longtail, seed=1),
         "mixed": make_workload(tok, s.mixed, seed=1, output_range=(8, s.output_max)),
     }
     results = []
     for wl_name, wl in runs.items():
-        run_kvflow(engine, Workload(wl.prompts[:4], [4] * 4), "warmup")
+        run_kvflow(engine, warm, "warmup")
         r = run_kvflow(engine, wl, f"{name}, {wl_name} ({len(wl.prompts)} requests)")
         r.prompt_tokens = wl.prompt_tokens
         results.append(r)
@@ -269,7 +272,8 @@ def main() -> None:
         ],
     }
     (args.out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    if not (greedy["ok"] and agreement["ok"]):
+    # --quick's agreement sample (32 positions) is too small for a 99% bar: reported only
+    if not (greedy["ok"] and (agreement["ok"] or args.quick)):
         sys.exit(1)
 
 

@@ -210,8 +210,9 @@ def test_a_half_precision_model_takes_float32_logits(tiny_model_dir) -> None:
 def test_a_model_in_half_precision_throughout_runs_the_engine(tiny_model_dir, dtype) -> None:
     """The CUDA path's dtypes, on CPU: every tensor of the model in half precision (the
     residual stream, norms, rotary tables, K/V), the torch ops for attention and linear
-    layers, float32 logits. The engine generates through prefill and decode, and its
-    greedy tokens are mostly float32's (half precision may flip a near-tie)."""
+    layers, float32 logits. The engine generates 12 tokens a prompt through prefill and
+    decode, and its first greedy tokens are float32's but for at most one prompt (half
+    precision may flip a near-tie)."""
     from worker.engine.engine import LLMEngine
 
     path = str(tiny_model_dir("llama3"))

@@ -33,9 +33,11 @@ from worker.model.attention import (
     decode_mask,
     prefill_mask,
 )
+from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import I8_SCALE_BYTES, KV_DTYPES, MAX_GROUP, NativeKernels, load_native
 from worker.model.packing import pack_linear_layers
+from worker.model.quant import Int8Linear
 from worker.model.sampler import Sampler, SamplingRow
 
 # Decode groups: sequences sorted by context length are padded together; a group is
@@ -78,12 +80,31 @@ class StepInputs:
 
 SMALL_STEP_TOKENS = 2  # CPU steps of at most this many tokens run on one thread ...
 # ... where the model's weights are no more than this: a step of a larger model streams
-# its weights, and two threads read them faster than one. The default model (270 MB in
-# bfloat16) decoded 1 and 2 sequences in 0.63x the time on both threads of an Intel Xeon
+# its weights, and two threads read them faster than one. The default model (257 MB of
+# weights a step in bfloat16) decoded 1 and 2 sequences in 0.63x the time on both threads of an Intel Xeon
 # with AMX (23.0 against 36.5 ms a step, alternating); a 2-layer model (13 MB) ran its
 # 1-token steps no slower on one thread, and the idle one no longer spun a core away from
 # the event loop, the broker and the database.
 SMALL_MODEL_BYTES = 64 << 20
+
+
+def step_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of weights a decode step reads: the decoder's linear layers and the output
+    projection it computes the logits with (its narrow copy where there is one; the
+    embedding table is read a few rows a step)."""
+
+    def size(m: torch.nn.Module) -> int:
+        if isinstance(m, Int8Linear):
+            return m.in_features * m.out_features
+        if isinstance(m, Linear):
+            return m.weight.numel() * m.weight.element_size()
+        return 0
+
+    total = sum(size(m) for m in model.layers.modules())
+    if model.narrow_head is not None:
+        return total + size(model.narrow_head)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return total + head.numel() * head.element_size()
 
 
 class ModelRunner:
@@ -147,8 +168,7 @@ class ModelRunner:
         # event loop, the broker and the database sharing the machine; such steps run on
         # one thread (SMALL_MODEL_BYTES).
         self._threads = (config.num_threads or detect_cores()) if cpu else 1
-        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        self._small_steps_alone = weight_bytes <= SMALL_MODEL_BYTES
+        self._small_steps_alone = step_weight_bytes(self.model) <= SMALL_MODEL_BYTES
         if cpu:
             torch.set_num_threads(self._threads)
         self.sampler = Sampler(self.device, seed=0)

@@ -338,7 +338,8 @@ class LlamaForCausalLM(nn.Module):
         rounded to bfloat16 (8 significand bits) flip near-ties: with the default model
         in bfloat16 throughout, as on CUDA (emulated on CPU), the greedy pick agreed with
         float32's at 503 of 512 positions under teacher forcing, 510 with float32 logits
-        (the bar is 99%). Costs V x C x 4 bytes (113 MB for the default model)."""
+        (the bar is 99%). Costs V x C x 4 bytes (113 MB for the default model; an untied
+        model keeps its half-precision lm_head beside the copy)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.float_head = weight.detach().float()
 
