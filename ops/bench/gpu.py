@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -34,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine import Result, run_kvflow
+from models import random_llama
 from workload import make_longtail_workload, make_workload
 
 from worker.config import EngineConfig
 from worker.engine.agreement import prefill_agreement
 from worker.engine.engine import LLMEngine
 from worker.hardware import AGREEMENT_BAR
-from worker.model.gguf import cached_conversion, default_model_path
 from worker.request import SamplingParams
 
 CHAT = (
@@ -127,28 +126,6 @@ def check_agreement(device: str, s: Sizes) -> dict[str, object]:
     return {"agree": agree, "of": total, "ok": agree / total >= AGREEMENT_BAR}
 
 
-def random_llama(out: Path, shape: dict[str, int], default_dir: Path) -> Path:
-    """An HF directory: a Llama of `shape` with seeded random bfloat16 weights and the
-    default model's tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        **shape,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_dir / f).exists():
-            shutil.copy(default_dir / f, out / f)
-    return out
-
-
 def release(device: str) -> None:
     """Free what the last engine held, so the next one's KV budget sees the memory."""
     gc.collect()
@@ -156,7 +133,7 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def throughput(model: str, device: str, s: Sizes, name: str) -> list[Result]:
+def throughput(model: str | None, device: str, s: Sizes, name: str) -> list[Result]:
     release(device)
     cuda = device.startswith("cuda")
     engine = LLMEngine(
@@ -233,10 +210,17 @@ def main() -> None:
     print(f"greedy float32 equals transformers: {greedy['equal']}/{greedy['of']}", file=sys.stderr)
     agreement = check_agreement(args.device, s)
     print(f"bfloat16 agreement: {agreement['agree']}/{agreement['of']}", file=sys.stderr)
-    default_dir = cached_conversion(default_model_path())
-    results = throughput(str(default_dir), args.device, s, "default model")
+    results = throughput(None, args.device, s, "default model")
     with tempfile.TemporaryDirectory() as tmp:
-        big = random_llama(Path(tmp), SMALL if args.quick else ONE_B, default_dir)
+        shape = SMALL if args.quick else ONE_B
+        big = random_llama(
+            Path(tmp),
+            torch.bfloat16,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            **shape,
+        )
         results += throughput(
             str(big),
             args.device,

@@ -169,30 +169,17 @@ def cpu_seconds(worker_pid: int) -> dict[str, float]:
 
 def tiny_model(out: Path) -> Path:
     """A 2-layer random model with the default model's tokenizer (its cost is ~nothing)."""
-    import shutil
+    from models import random_llama
 
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from worker.model.gguf import cached_conversion, default_model_path
-
-    src = cached_conversion(default_model_path())
-    cfg = LlamaConfig(
-        vocab_size=49152,
+    return random_llama(
+        out,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, out / f)
-    return out
 
 
 def start_worker(

@@ -237,7 +237,7 @@ def _linear_layers(engine: LLMEngine, batch: int) -> list[Layer]:
         elif isinstance(m, quant_mod.Int8Linear):  # float32 in, the module's own steps
             layers.append((torch.randn(batch, m.in_features), m))
     if model.narrow_head is None:  # else the narrow projection is one of the modules above
-        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        head = model.output_weight
         layers.append(
             (torch.randn(batch, head.shape[1], dtype=head.dtype), partial(F.linear, weight=head))
         )

@@ -200,7 +200,7 @@ def test_a_half_precision_model_takes_float32_logits(tiny_model_dir) -> None:
     assert model.float_head is not None and model.float_head.dtype == torch.float32
     logits = model.compute_logits(hidden)
     assert logits.dtype == torch.float32
-    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    head = model.output_weight
     want = torch.nn.functional.linear(model.norm(hidden).float(), head.float())
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
     assert not torch.equal(logits, rounded)  # the bfloat16 path rounds what this keeps

@@ -96,7 +96,7 @@ def test_an_int8_model_keeps_float32_everywhere_but_its_linear_layers(
     assert model.embed_tokens.weight.dtype == torch.float32
     assert model.norm.weight.dtype == torch.float32
     # The narrow int8 head: its best RESCORED per row scored again exactly in float32.
-    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weight = model.output_weight
     assert weight.dtype == torch.float32
     hidden = torch.randn(37, weight.shape[1], generator=torch.Generator().manual_seed(34))
     with torch.inference_mode():

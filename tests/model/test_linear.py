@@ -52,7 +52,7 @@ def test_a_narrow_output_projection_keeps_the_winning_candidates_exact(
     assert model.config.hidden_size < NARROW_HEAD_MIN_HIDDEN and model.narrow_head is None
     model.narrow_output_projection(torch.bfloat16)
     assert model.narrow_head is not None
-    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weight = model.output_weight
     assert weight.dtype == torch.float32 and model.narrow_head.weight.dtype == torch.bfloat16
     g = torch.Generator().manual_seed(21)
     hidden = torch.randn(37, weight.shape[1], generator=g)

@@ -79,12 +79,12 @@ class StepInputs:
 
 
 SMALL_STEP_TOKENS = 2  # CPU steps of at most this many tokens run on one thread ...
-# ... where the model's weights are no more than this: a step of a larger model streams
-# its weights, and two threads read them faster than one. The default model (257 MB of
-# weights a step in bfloat16) decoded 1 and 2 sequences in 0.63x the time on both threads of an Intel Xeon
+# ... where a step reads no more than this of weights: a larger model's step streams
+# them, and two threads read faster than one. The default model (257 MB a step in
+# bfloat16) decoded 1 and 2 sequences in 0.63x the time on both threads of an Intel Xeon
 # with AMX (23.0 against 36.5 ms a step, alternating); a 2-layer model (13 MB) ran its
-# 1-token steps no slower on one thread, and the idle one no longer spun a core away from
-# the event loop, the broker and the database.
+# 1-token steps no slower on one thread, and the idle one no longer spun a core away
+# from the event loop, the broker and the database.
 SMALL_MODEL_BYTES = 64 << 20
 
 
@@ -96,14 +96,12 @@ def step_weight_bytes(model: LlamaForCausalLM) -> int:
     def size(m: torch.nn.Module) -> int:
         if isinstance(m, Int8Linear):
             return m.in_features * m.out_features
-        if isinstance(m, Linear):
-            return m.weight.numel() * m.weight.element_size()
-        return 0
+        return m.weight.numel() * m.weight.element_size() if isinstance(m, Linear) else 0
 
     total = sum(size(m) for m in model.layers.modules())
     if model.narrow_head is not None:
         return total + size(model.narrow_head)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = model.output_weight  # tied: the embedding table, read whole for the logits
     return total + head.numel() * head.element_size()
 
 
@@ -168,7 +166,9 @@ class ModelRunner:
         # event loop, the broker and the database sharing the machine; such steps run on
         # one thread (SMALL_MODEL_BYTES).
         self._threads = (config.num_threads or detect_cores()) if cpu else 1
-        self._small_steps_alone = step_weight_bytes(self.model) <= SMALL_MODEL_BYTES
+        # steps of at most this many tokens run on one thread (none for a large model)
+        small_model = step_weight_bytes(self.model) <= SMALL_MODEL_BYTES
+        self._small_step_tokens = SMALL_STEP_TOKENS if small_model else 0
         if cpu:
             torch.set_num_threads(self._threads)
         self.sampler = Sampler(self.device, seed=0)
@@ -246,8 +246,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self._prepare(sched.scheduled)
         if self._threads > 1:
-            small = self._small_steps_alone and inp.input_ids.numel() <= SMALL_STEP_TOKENS
-            want = 1 if small else self._threads
+            want = 1 if inp.input_ids.numel() <= self._small_step_tokens else self._threads
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]

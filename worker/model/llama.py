@@ -309,6 +309,11 @@ class LlamaForCausalLM(nn.Module):
         out: torch.Tensor = x
         return out
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, C]: the embedding table where it is tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def narrow_output_projection(self, dtype: torch.dtype, reduce_range: bool = False) -> None:
         """Compute the logits through a `dtype` copy of the output projection, then score
         the best RESCORED candidates of each row again in the projection's own dtype.
@@ -322,7 +327,7 @@ class LlamaForCausalLM(nn.Module):
         best is outside the narrow copy's top RESCORED); the rest of the row, which only
         weighs in a sampled draw, keeps the narrow copy's rounding.
         """
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.output_weight
         if weight.dtype == dtype:
             return
         if dtype == torch.qint8:
@@ -340,15 +345,14 @@ class LlamaForCausalLM(nn.Module):
         float32's at 503 of 512 positions under teacher forcing, 510 with float32 logits
         (the bar is 99%). Costs V x C x 4 bytes (113 MB for the default model; an untied
         model keeps its half-precision lm_head beside the copy)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.float_head = weight.detach().float()
+        self.float_head = self.output_weight.detach().float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, C] hidden states of the positions that sample -> [S, V] float32 logits."""
         h = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.float_head is not None:
             return F.linear(h.float(), self.float_head)
+        weight = self.output_weight
         if self.narrow_head is None:
             return F.linear(h.to(weight.dtype), weight).float()
         logits = self.narrow_head(h).float()  # [S, V], the narrow copy's rounding

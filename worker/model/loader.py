@@ -78,9 +78,9 @@ def load_model(
     takes `dtype`, its logits computed from a float32 copy of the output projection
     (`LlamaForCausalLM.float_output_projection`). "int8" (CPU only) loads the linear
     layers in float32 and quantizes them (`Int8Linear`), the output projection's narrow
-    copy included. `head_dtype`
-    (CPU; a key of DTYPES) sets the narrow copy's dtype apart from the linear layers':
-    "int8" beside float32 layers (`worker.hardware.choose_output_head`).
+    copy included. `head_dtype` (CPU; a key of DTYPES) sets the narrow copy's dtype apart
+    from the linear layers': "int8" beside float32 layers
+    (`worker.hardware.choose_output_head`).
     """
     dev = torch.device(device)
     if dtype == "int8" and dev.type != "cpu":
