@@ -153,6 +153,31 @@ def test_rope_store_rotates_and_stores_k_and_v(
         assert torch.count_nonzero(untouched) == 0
 
 
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_rope_store_without_k_and_v_out_stores_the_same(ops: NativeKernels, tokens: int) -> None:
+    """Where no prompt chunk attends to its own K/V (every row through the kernel), the
+    op returns q alone and stores into the cache exactly what it stores with k and v out."""
+    heads, kv_heads, dim, bs, num_blocks = 9, 3, 64, 16, 64
+    g = torch.Generator().manual_seed(tokens + 1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    angles = torch.rand(tokens, dim // 2, generator=g) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    caches = []
+    outs = []
+    for kv_out in (True, False):
+        k_cache = torch.zeros(num_blocks, kv_heads, bs, dim, dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        outs.append(ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_out))
+        caches.append((k_cache, v_cache))
+    (q_all, k_all, v_all), (q, k, v) = outs
+    assert k is None and v is None and k_all is not None and v_all is not None
+    assert q.shape == (tokens, heads, dim) and q.is_contiguous()
+    assert torch.equal(q, q_all)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.count_nonzero(caches[1][0]) > 0
+
+
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
     ops: NativeKernels, qkv_dtype: torch.dtype

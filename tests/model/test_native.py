@@ -177,6 +177,55 @@ def test_paged_attention_runs_decode_rows_through_the_kernel() -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_kernel_writes_bfloat16_rows_rounded_as_torch_rounds(cache_dtype: torch.dtype) -> None:
+    """A bfloat16 output (the input of a bfloat16 output projection) holds the float32
+    output rounded to nearest even, bit for bit, whatever the cache holds."""
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    bs = 16
+    q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=21)
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = quantize_rows(k_cache), quantize_rows(v_cache)
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    args = (tables.to(torch.int32), lens.to(torch.int32))
+    wide = torch.full_like(q, float("nan"))
+    loaded.kernels.paged_decode(q, k_cache, v_cache, *args, wide, 64**-0.5, 0)
+    narrow = torch.full_like(q, float("nan"), dtype=torch.bfloat16)
+    loaded.kernels.paged_decode(q, k_cache, v_cache, *args, narrow, 64**-0.5, 0)
+    assert torch.equal(narrow, wide.bfloat16())
+    with pytest.raises(TypeError, match="contiguous"):
+        loaded.kernels.paged_decode(q, k_cache, v_cache, *args, wide.half(), 64**-0.5, 0)
+    with pytest.raises(ValueError, match="an output of"):
+        loaded.kernels.paged_decode(q, k_cache, v_cache, *args, wide[:4], 64**-0.5, 0)
+
+
+def test_paged_attention_writes_into_the_output_projections_rows() -> None:
+    """With `out` (the output projection's input: its dtype, rows padded past T) the
+    attention's rows land in its first T rows, rounded as a cast rounds; the padding rows
+    are left as they were."""
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    bs = 4
+    q, k_cache, v_cache, tables, lens = _case(5, 6, 2, 64, bs, seed=8)
+    in_place = InPlaceDecode(loaded.kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
+    meta = _meta([], in_place, bs)
+    want = paged_attention(q, None, None, k_cache, v_cache, meta, 64**-0.5)  # [5, 6, 64]
+    out = torch.full((8, 6, 64), 7.0, dtype=torch.bfloat16)
+    got = paged_attention(q, None, None, k_cache, v_cache, meta, 64**-0.5, out=out)
+    assert got is out
+    assert torch.equal(out[:5], want.bfloat16())
+    assert bool((out[5:] == 7.0).all())
+    # the gather path (no kernel) writes the same rows through a cast
+    gathered = torch.full((8, 6, 64), 7.0, dtype=torch.bfloat16)
+    rows = (tables[:, None, :] * 2 + torch.arange(2)[None, :, None]).reshape(-1)
+    group = DecodeGroup(0, 5, rows, tables.shape[1], decode_mask(lens, tables.shape[1] * bs, None))
+    paged_attention(q, None, None, k_cache, v_cache, _meta([group], None, bs), 64**-0.5, gathered)
+    torch.testing.assert_close(gathered[:5].float(), out[:5].float(), atol=1e-2, rtol=1e-2)
+    assert bool((gathered[5:] == 7.0).all())
+
+
 def test_no_compiler_is_a_reason_not_a_crash(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVFLOW_KERNEL_CACHE", str(tmp_path))
     loaded = load_native(compiler="no-such-compiler-kvflow")

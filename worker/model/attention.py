@@ -166,18 +166,22 @@ def store_kv(
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,  # [T, KVH, D]
+    k: torch.Tensor | None,  # [T, KVH, D]; needed only by prompt chunks through SDPA
+    v: torch.Tensor | None,  # [T, KVH, D]
     k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: D + 4, see quantize_rows)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,  # [>= T, H, D], contiguous; any float dtype
 ) -> torch.Tensor:
-    """Attend over the cache, this step's K/V already stored; returns [T, H, D]."""
-    _, H, D = q.shape
+    """Attend over the cache, this step's K/V already stored: [T, H, D] in q's dtype, or
+    written into the first T rows of `out` (the output projection's input, in its dtype
+    and with its padding rows, which stay as they are) and `out` returned."""
+    T, H, D = q.shape
     kvh = k_cache.shape[1]
     group = H // kvh
-    out = torch.empty((q.shape[0], H, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     row = k_cache.shape[-1]  # D, or D + 4 for int8 rows with their scale
     run_elems = meta.block_size * row  # one head's keys in one block
     k_runs = k_cache.view(-1, run_elems)  # [num_blocks * KVH, block_size * D]
@@ -187,13 +191,13 @@ def paged_attention(
     if meta.in_place is not None:
         d = meta.in_place
         n = d.context_lens.shape[0]
-        # out is [T, H, D] contiguous, so its first n rows are too; q is where the C
-        # layer ops made it (else a view of the qkv projection: copied). The kernel
-        # computes in float32 whatever the cache holds: bf16 activations go through a
-        # float32 copy ([n, H, D], small next to the context it reads).
-        wide = q.dtype == torch.float32
-        q_n = q[:n] if wide else q[:n].float()
-        out_n = out[:n] if wide else torch.empty_like(q_n)
+        # out is contiguous, so its first n rows are too; q is where the C layer ops made
+        # it (else a view of the qkv projection: copied). The kernel computes in float32
+        # whatever the cache holds and writes float32 or bfloat16: bf16 activations go
+        # through a float32 copy ([n, H, D], small next to the context it reads).
+        q_n = q[:n].float()
+        direct = out.dtype in (torch.float32, torch.bfloat16)
+        out_n = out[:n] if direct else torch.empty_like(q_n)
         d.kernels.paged_decode(
             q_n.contiguous(),
             k_cache,
@@ -204,7 +208,7 @@ def paged_attention(
             scale,
             d.window,
         )
-        if not wide:
+        if not direct:
             out[:n] = out_n
 
     for g in meta.decode_groups:
@@ -227,6 +231,7 @@ def paged_attention(
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1)  # [H, L, D]
         if p.gather_index is None:
+            assert k is not None and v is not None, "a fresh prompt chunk attends to its own K/V"
             kp = k[p.start : p.end].transpose(0, 1)  # [KVH, L, D]
             vp = v[p.start : p.end].transpose(0, 1)
         else:

@@ -192,12 +192,19 @@ class Attention(nn.Module):
         assert meta.layer_ops is not None and isinstance(self.qkv_proj, Linear)
         assert isinstance(self.o_proj, Linear)
         cos, sin = (t.view(T, -1) for t in rope)  # [T, D/2]
-        # rotary on q and k, the K/V store and the widening to float32 in one pass
+        # rotary on q and k, the K/V store and the widening to float32 in one pass; k and
+        # v come back only for a fresh prompt chunk, which attends to them through SDPA
+        own_kv = any(p.gather_index is None for p in meta.prefills)
         q, k, v = meta.layer_ops.rope_store(
-            self.qkv_proj.matmul(h), cos, sin, meta.slot_mapping, *kv, self.num_heads
-        )  # [T, H, D], [T, KVH, D] x 2, float32, contiguous
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D] float32
-        return self.o_proj.matmul(self.o_proj.narrow_input(o.view(T, self.q_size)))
+            self.qkv_proj.matmul(h), cos, sin, meta.slot_mapping, *kv, self.num_heads, own_kv
+        )  # [T, H, D], [T, KVH, D] x 2 (or None), float32, contiguous
+        # attention written straight into o_proj's input: its dtype, its padded rows
+        rows = self.o_proj.rows_for(T)
+        o = torch.empty((rows, self.num_heads, self.head_dim), dtype=self.o_proj.weight.dtype)
+        if rows > T:
+            o[T:].zero_()
+        paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, out=o)  # [R, H, D]
+        return self.o_proj.matmul(o.view(rows, self.q_size))
 
 
 class MLP(nn.Module):

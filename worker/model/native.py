@@ -62,15 +62,19 @@ class NativeKernels:
         v_cache: torch.Tensor,  # like k_cache
         block_tables: torch.Tensor,  # [n, max_blocks] int32
         context_lens: torch.Tensor,  # [n] int32
-        out: torch.Tensor,  # [n, H, D] float32, contiguous
+        out: torch.Tensor,  # [n, H, D] float32 or bfloat16, contiguous
         scale: float,
         window: int,
     ) -> None:
         """Attention of n query rows, each over its cached keys up to its own (a decode
-        token, or a prompt chunk's row: see kernels/paged_decode.c)."""
+        token, or a prompt chunk's row: see kernels/paged_decode.c), into `out` in its
+        dtype (computed in float32; a bfloat16 `out` takes the results rounded)."""
         n, H, D = q.shape
         _, KVH, BS, _ = k_cache.shape
         _check_cache(k_cache, v_cache, D, "reads")
+        _check_rows(q, float32_only=True)
+        _check_rows(out)
+        _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
         entry = {
             torch.float32: self.lib.kvflow_paged_decode_f32,
             torch.bfloat16: self.lib.kvflow_paged_decode_bf16,
@@ -83,6 +87,7 @@ class NativeKernels:
             block_tables.data_ptr(),
             context_lens.data_ptr(),
             out.data_ptr(),
+            out.dtype == torch.bfloat16,
             n,
             H,
             KVH,
@@ -171,9 +176,11 @@ class NativeKernels:
         k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
         v_cache: torch.Tensor,
         num_heads: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """q [T, H, D], k and v [T, KVH, D], float32, each contiguous, from the first T rows
-        of qkv, rotary applied to q and k; each token's k and v into its cache slot."""
+        of qkv, rotary applied to q and k; each token's k and v into its cache slot. Without
+        `kv_out` k and v are only stored (None returned for them)."""
         _check_rows(qkv)
         _check_rows(cos, sin, float32_only=True)
         _, KVH, BS, _ = k_cache.shape
@@ -184,7 +191,7 @@ class NativeKernels:
         _expect(v_cache.shape == k_cache.shape and k_cache.is_contiguous(), "caches alike", v_cache)
         _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
         _expect(slots.dtype == torch.int64 and slots.shape == (T,), f"{T} int64 slots", slots)
-        out = torch.empty(T * (H + 2 * KVH) * D, dtype=torch.float32)
+        out = torch.empty(T * (H + 2 * KVH if kv_out else H) * D, dtype=torch.float32)
         self.lib.kvflow_rope_store(
             qkv.data_ptr(),
             out.data_ptr(),
@@ -201,7 +208,10 @@ class NativeKernels:
             qkv.dtype == torch.bfloat16,
             k_cache.dtype == torch.bfloat16,
             k_cache.dtype == torch.int8,
+            kv_out,
         )
+        if not kv_out:
+            return out.view(T, H, D), None, None
         q, k, v = torch.split(out, [T * H * D, T * KVH * D, T * KVH * D])
         return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
 
@@ -279,7 +289,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
         lib.kvflow_paged_decode_i8,
     ):
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
     lib.kvflow_bf16_scores.restype = ctypes.c_int
     lib.kvflow_bf16_scores.argtypes = []
     lib.kvflow_rms_norm.restype = None
@@ -289,7 +299,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
     lib.kvflow_rope_store.restype = None
-    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8
+    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

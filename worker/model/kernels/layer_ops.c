@@ -20,7 +20,8 @@
  *   gate_up [T, 2 I] (out [R, I])
  *   qkv [T, (H + 2 KVH) D]: q heads, then k heads, then v heads; out: q [T, H, D], then
  *   k [T, KVH, D], then v [T, KVH, D], float32, each contiguous (the attention kernel and
- *   the prefill path take them as they are)
+ *   the prefill path take them as they are); without kv_out, q only (a step whose rows
+ *   all attend through the kernel reads K and V from the cache alone)
  *   cos, sin [T, D / 2] float32 (the token's position's angles)
  *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D], or with an
  *   int8 cache (cache_i8) [NB, KVH, BS, D + 4] bytes: each row's D values rounded to
@@ -164,15 +165,17 @@ rotate(const void *src, float *restrict dst, const float *restrict cs, const flo
 static inline __attribute__((always_inline)) void
 rope_store(const void *qkv, float *out, const float *cos, const float *sin, const int64_t *slots,
            void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, int cache_i8,
-           const int in_bf16, const int cache_bf16) {
+           int kv_out, const int in_bf16, const int cache_bf16) {
     const int width = (H + 2 * KVH) * D;
     const size_t i8_row = (size_t)D + sizeof(float); /* an int8 row: D values, its scale */
     float *q_out = out, *k_out = q_out + (size_t)T * H * D, *v_out = k_out + (size_t)T * KVH * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
         const char *row = (const char *)qkv + (size_t)t * row_bytes(width, in_bf16);
-        float *q = q_out + (size_t)t * H * D, *k = k_out + (size_t)t * KVH * D,
-              *v = v_out + (size_t)t * KVH * D;
+        float kv_row[2 * KVH * D]; /* k and v of a row nobody reads past the store */
+        float *q = q_out + (size_t)t * H * D;
+        float *k = kv_out ? k_out + (size_t)t * KVH * D : kv_row;
+        float *v = kv_out ? v_out + (size_t)t * KVH * D : kv_row + KVH * D;
         const float *cs = cos + (size_t)t * (D / 2), *sn = sin + (size_t)t * (D / 2);
         rotate(row, q, cs, sn, H, D, in_bf16);
         rotate(row + row_bytes(H * D, in_bf16), k, cs, sn, KVH, D, in_bf16);
@@ -199,7 +202,7 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
 
 void kvflow_rope_store(const void *qkv, float *out, const float *cos, const float *sin,
                        const int64_t *slots, void *k_cache, void *v_cache, int T, int H, int KVH,
-                       int D, int BS, int in_bf16, int cache_bf16, int cache_i8) {
+                       int D, int BS, int in_bf16, int cache_bf16, int cache_i8, int kv_out) {
     WITH_FLAGS(rope_store, in_bf16, cache_bf16, qkv, out, cos, sin, slots, k_cache, v_cache, T, H,
-               KVH, D, BS, cache_i8);
+               KVH, D, BS, cache_i8, kv_out);
 }
