@@ -101,18 +101,22 @@ def _scheduled(ids: list[list[int]], outs: list[list[int]], i: int, start: int, 
 
 
 def _decode_agreement(
-    runner: ModelRunner, ids: list[list[int]], outs: list[list[int]]
+    runner: ModelRunner, ids: list[list[int]], outs: list[list[int]], batch: int = 16
 ) -> tuple[int, int]:
     """(agreeing, total) next tokens, the prompts prefilled, then one token per step for
-    every sequence, read back from the KV cache as a running sequence is."""
+    every sequence, read back from the KV cache as a running sequence is; decode steps of
+    `batch` sequences at a time."""
     seqs = range(len(outs))
     runner.all_logits([_scheduled(ids, outs, i, 0, len(ids[i]) - 1) for i in seqs])
     agree = total = 0
     for k in range(64):  # position len(prompt) - 1 + k predicts output token k
-        logits = runner.all_logits([_scheduled(ids, outs, i, len(ids[i]) - 1 + k, 1) for i in seqs])
-        for i, out in enumerate(outs):
-            agree += int(logits[str(i)][-1].argmax()) == out[k]
-            total += 1
+        for first in range(0, len(outs), batch):
+            group = range(first, min(first + batch, len(outs)))
+            rows = [_scheduled(ids, outs, i, len(ids[i]) - 1 + k, 1) for i in group]
+            logits = runner.all_logits(rows)
+            for i in group:
+                agree += int(logits[str(i)][-1].argmax()) == outs[i][k]
+                total += 1
     return agree, total
 
 
@@ -173,6 +177,22 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
     assert total == 64 * len(AGREEMENT_PROMPTS)
     bar = 0.97 if kv_cache_dtype == "int8" else 0.99
     assert agree / total >= bar, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"
+
+
+@pytest.mark.slow
+def test_bfloat16_decode_of_few_sequences_agrees_with_float32(default_model_dir) -> None:
+    """The same through decode steps of 4 sequences, whose linear layers take the C kernel
+    for few rows where the CPU has avx512_bf16 (worker.model.llama.SMALL_ROWS; oneDNN
+    elsewhere): its sums in another order must not cost the bar."""
+    ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
+    cfg = EngineConfig(num_kv_blocks=256, attention="native")
+    bf16 = ModelRunner(cfg, load_model(str(default_model_dir), dtype="bfloat16"))
+    has_kernel = bf16.native is not None and bf16.native.matmul_rows_max > 0
+    assert ("C kernel for few rows" in bf16.info.linear) == has_kernel, bf16.info.linear
+    agree, total = _decode_agreement(bf16, ids, outs, batch=4)
+    print(f"decode steps of 4 (few-rows kernel: {has_kernel}): {agree}/{total}")
+    assert total == 64 * len(AGREEMENT_PROMPTS)
+    assert agree / total >= 0.99, f"{agree}/{total} next tokens agree"
 
 
 # Int8 linear layers miss the 99% bar on this model (worker.hardware.INT8_AGREEMENT);

@@ -36,7 +36,7 @@ from worker.model.attention import (
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import I8_SCALE_BYTES, KV_DTYPES, MAX_GROUP, NativeKernels, load_native
-from worker.model.packing import pack_linear_layers
+from worker.model.packing import attach_rows_weights, pack_linear_layers
 from worker.model.quant import Int8Linear
 from worker.model.sampler import Sampler, SamplingRow
 
@@ -160,6 +160,11 @@ class ModelRunner:
         # carries them where the model's layers take them (decided here, once).
         self.layer_ops = self.native if act_dtype == torch.float32 else None
         self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
+        # decode steps of few sequences: the linear layers through the C kernel for few
+        # rows (worker.model.llama.SMALL_ROWS), whose weights' copy is made here
+        few_rows = attach_rows_weights(self.model, self._step_layer_ops())
+        if self._step_layer_ops() is not None:
+            linear += f"; {few_rows}"
         self._slots = num_blocks * self.block_size
         # CPU: a step of one or two tokens of a small model runs no faster on several
         # OpenMP threads, but the idle ones spin between kernels and take a core from the

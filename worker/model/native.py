@@ -29,7 +29,8 @@ import torch
 from worker.hardware import read_cpu_flags
 
 SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "layer_ops.c")
+    Path(__file__).with_name("kernels") / name
+    for name in ("paged_decode.c", "layer_ops.c", "small_matmul.c")
 )
 HEADERS = (Path(__file__).with_name("kernels") / "bf16.h",)  # included by SOURCES
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -215,6 +216,54 @@ class NativeKernels:
         q, k, v = torch.split(out, [T * H * D, T * KVH * D, T * KVH * D])
         return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
 
+    @property
+    def matmul_rows_max(self) -> int:
+        """The most rows `matmul_rows` takes: 16 where the library was built for a CPU with
+        avx512_bf16 and no AMX, else 0 (the kernel is not there)."""
+        return int(self.lib.kvflow_matmul_rows_max())
+
+    def matmul_rows(
+        self,
+        x: torch.Tensor,  # [R, K] bfloat16, contiguous; rows past `tokens` are padding
+        weight: torch.Tensor,  # [N / 16, K / 2, 16, 2] bfloat16 (`rows_layout`)
+        tokens: int,
+    ) -> torch.Tensor:
+        """x @ W.T for the first `tokens` rows of x -> [R, N] bfloat16, the padding rows
+        zeroed (kernels/small_matmul.c): a linear layer of a few rows, W laid out once by
+        `rows_layout`."""
+        R, K = x.shape
+        blocks, pairs = weight.shape[0], weight.shape[1]
+        _expect(x.dtype == torch.bfloat16 and x.is_contiguous(), "contiguous bfloat16 rows", x)
+        _expect(
+            weight.dtype == torch.bfloat16
+            and weight.is_contiguous()
+            and weight.shape[2:] == (16, 2)
+            and 2 * pairs == K,
+            f"a weight in rows layout [N / 16, {K // 2}, 16, 2] bfloat16",
+            weight,
+        )
+        _expect(
+            1 <= tokens <= min(R, self.matmul_rows_max), f"1..{self.matmul_rows_max} rows", tokens
+        )
+        out = torch.empty((R, 16 * blocks), dtype=torch.bfloat16)
+        failed = self.lib.kvflow_matmul_rows_bf16(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), tokens, R, 16 * blocks, K
+        )
+        if failed:
+            raise ValueError(f"the few-rows matmul refused {tokens} rows of {K} (code {failed})")
+        return out
+
+
+def rows_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight [N, K] (N a multiple of 16, K even) -> [N / 16, K / 2, 16, 2]
+    bfloat16, the layout `NativeKernels.matmul_rows` reads: each block of 16 output
+    columns one contiguous run, pairs of inputs side by side as vdpbf16ps takes them."""
+    N, K = weight.shape
+    if N % 16 or K % 2:
+        raise ValueError(f"rows layout needs N % 16 == 0 and K even, not {N} x {K}")
+    w = weight.detach().to(torch.bfloat16)
+    return w.view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
     if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (*KV_DTYPES, torch.int8):
@@ -300,6 +349,10 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
     lib.kvflow_rope_store.restype = None
     lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9
+    lib.kvflow_matmul_rows_bf16.restype = ctypes.c_int
+    lib.kvflow_matmul_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    lib.kvflow_matmul_rows_max.restype = ctypes.c_int
+    lib.kvflow_matmul_rows_max.argtypes = []
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.llama import Linear, LlamaForCausalLM
+from worker.model.llama import SMALL_ROWS, Linear, LlamaForCausalLM
+from worker.model.native import NativeKernels, rows_layout
 
 # The row count oneDNN picks the blocked layout for: a full decode batch. Any row count
 # runs on the packed weight.
 PACK_ROWS = 64
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
+# The few-rows kernel's copy of the decoder's weights is kept only up to this size (it
+# doubles the memory the decoder's linear layers take).
+ROWS_COPY_MAX_BYTES = 1 << 30
 
 
 def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -> str:
@@ -59,3 +63,35 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
         return plain(f"packing failed: {e}")
     n = len(targets)
     return f"oneDNN, {n} weight{'s' if n > 1 else ''} packed at load"
+
+
+def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str:
+    """Give each of the decoder's bfloat16 Linears (no bias, out a multiple of 16, in even) a
+    copy of its weight in the layout of the C kernel for few rows (`Linear.matmul`), where
+    the kernel is built (a CPU with avx512_bf16) and the copies fit ROWS_COPY_MAX_BYTES;
+    else drop any such copies. Returns what was done, for the start-up log. A second
+    copy, not a view: oneDNN's packed weight is opaque outside oneDNN."""
+    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.rows_weight = None
+    if kernels is None or kernels.matmul_rows_max < SMALL_ROWS:
+        return "no kernel for few rows (it needs avx512_bf16 without AMX, and the C layer ops)"
+    targets = [
+        m
+        for m in linears
+        if m.weight.dtype == torch.bfloat16
+        and m.bias is None
+        and m.weight.shape[0] % 16 == 0
+        and m.weight.shape[1] % 2 == 0
+    ]
+    size = sum(m.weight.shape[0] * m.weight.shape[1] * 2 for m in targets)
+    if not targets or size > ROWS_COPY_MAX_BYTES:
+        why = "no bfloat16 layers it takes" if not targets else f"{size >> 20} MB of weights"
+        return f"no kernel for few rows ({why})"
+    for m in targets:
+        plain = m.weight.to_dense() if m.packed else m.weight
+        m.rows_weight = rows_layout(plain)
+    return (
+        f"at <= {SMALL_ROWS} rows the C kernel for few rows, over a second copy of "
+        f"{len(targets)} weights ({size >> 20} MB)"
+    )

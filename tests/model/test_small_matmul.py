@@ -1,0 +1,126 @@
+"""The C kernel for linear layers of few rows (decode steps of few sequences): it equals
+the matmul it replaces, runs only where it was built for, and the Linear takes it only
+for few real rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.hardware import read_cpu_flags
+from worker.model.llama import SMALL_ROWS, Linear, LlamaForCausalLM
+from worker.model.native import NativeKernels, load_native, rows_layout
+from worker.model.packing import attach_rows_weights
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeKernels:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    return loaded.kernels
+
+
+def _built_here() -> bool:
+    flags = read_cpu_flags()
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
+
+
+def test_the_kernel_is_built_where_the_cpu_has_avx512_bf16_without_amx(ops: NativeKernels) -> None:
+    assert ops.matmul_rows_max == (16 if _built_here() else 0)
+
+
+def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
+    w = torch.arange(32 * 6, dtype=torch.float32).view(32, 6)
+    wp = rows_layout(w)
+    assert wp.shape == (2, 3, 16, 2) and wp.dtype == torch.bfloat16 and wp.is_contiguous()
+    # wp[b][p][j][e] = W[16 b + j][2 p + e]
+    assert wp[1, 2, 5, 1] == w[16 + 5, 2 * 2 + 1]
+    assert wp[0, 1, 15, 0] == w[15, 2]
+    with pytest.raises(ValueError, match="N % 16 == 0 and K even"):
+        rows_layout(torch.zeros(24, 6))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (64, 48)])
+def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, n: int) -> None:
+    if not _built_here():  # the other CPUs: the kernel says so rather than computing
+        assert ops.matmul_rows_max == 0
+        return
+    g = torch.Generator().manual_seed(tokens * 7 + k + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    rows = max(8, tokens)
+    x = torch.full((rows, k), 5.0, dtype=torch.bfloat16)  # padding rows: never read
+    x[:tokens] = torch.randn(tokens, k, generator=g).bfloat16()
+    got = ops.matmul_rows(x, rows_layout(w), tokens)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert torch.count_nonzero(got[tokens:]) == 0  # padding rows zeroed
+    # products exact, sums in float32, one rounding to bfloat16 at the end
+    want = x[:tokens].float() @ w.float().T
+    torch.testing.assert_close(got[:tokens].float(), want, rtol=8e-3, atol=1e-3)
+
+
+def test_matmul_rows_refuses_what_it_cannot_take(ops: NativeKernels) -> None:
+    if not _built_here():
+        assert ops.matmul_rows_max == 0
+        return
+    w = rows_layout(torch.randn(32, 64))
+    x = torch.randn(8, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
+        ops.matmul_rows(x, w, 0)
+    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
+        ops.matmul_rows(torch.randn(20, 64).bfloat16(), w, 17)
+    with pytest.raises(ValueError, match="rows layout"):
+        ops.matmul_rows(torch.randn(8, 32).bfloat16(), w, 4)
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        ops.matmul_rows(x.float(), w, 4)
+
+
+class _Refusing:
+    """Stands in for the kernels where a test needs to know the few-rows path was not taken."""
+
+    def matmul_rows(self, *args: object) -> torch.Tensor:
+        raise AssertionError("the few-rows kernel was called")
+
+
+def test_linear_takes_the_kernel_for_few_real_rows_only(ops: NativeKernels) -> None:
+    g = torch.Generator().manual_seed(5)
+    m = Linear(576, 960)
+    m.weight = torch.nn.Parameter((torch.randn(960, 576, generator=g) * 0.05).bfloat16())
+    x = torch.zeros(16, 576, dtype=torch.bfloat16)
+    x[:12] = torch.randn(12, 576, generator=g).bfloat16()
+    plain = m.matmul(x)
+    refusing: NativeKernels = _Refusing()  # type: ignore[assignment]
+    # no copy in the kernel's layout, or more than SMALL_ROWS real rows: the plain matmul
+    assert torch.equal(m.matmul(x, 4, refusing), plain)
+    m.rows_weight = rows_layout(m.weight)
+    assert torch.equal(m.matmul(x, SMALL_ROWS + 1, refusing), plain)
+    assert torch.equal(m.matmul(x, None, refusing), plain)
+    if _built_here():
+        few = m.matmul(x[:8], 4, ops)
+        assert torch.count_nonzero(few[4:]) == 0
+        torch.testing.assert_close(few[:4].float(), plain[:4].float(), rtol=8e-3, atol=1e-3)
+
+
+def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_model_dir) -> None:
+    from worker.model.loader import load_model
+
+    model = load_model(str(tiny_model_dir("smollm2")), dtype="bfloat16").model
+    assert isinstance(model, LlamaForCausalLM)
+    said = attach_rows_weights(model, ops)
+    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    if _built_here():
+        assert "C kernel for few rows" in said
+        takes = [m for m in linears if m.weight.shape[0] % 16 == 0 and m.bias is None]
+        assert takes, "the tiny model's layers are shaped for the kernel"
+        for m in linears:
+            if m in takes:
+                assert m.rows_weight is not None
+                assert torch.equal(m.rows_weight, rows_layout(m.weight))
+            else:
+                assert m.rows_weight is None
+    else:
+        assert said.startswith("no kernel for few rows") and "avx512_bf16" in said
+        assert all(m.rows_weight is None for m in linears)
+    # without the kernels (no C compiler, or the torch ops chosen) no copies are kept
+    assert attach_rows_weights(model, None).startswith("no kernel for few rows")
+    assert all(m.rows_weight is None for m in linears)
