@@ -59,7 +59,7 @@ def test_packed_float32_agrees_with_the_plain_matmul_and_pads_its_rows(rows: int
     assert m.rows_for(rows) == padded_rows(rows)
     seen: list[int] = []
     matmul = m.matmul
-    m.matmul = lambda xp: seen.append(xp.shape[0]) or matmul(xp)  # type: ignore[method-assign]
+    m.matmul = lambda xp, *rest: seen.append(xp.shape[0]) or matmul(xp, *rest)  # type: ignore[method-assign]
     with torch.inference_mode():
         got = m(x)
         padded = m.matmul(m.narrow_input(x))

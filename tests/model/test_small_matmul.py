@@ -124,3 +124,28 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
     # without the kernels (no C compiler, or the torch ops chosen) no copies are kept
     assert attach_rows_weights(model, None).startswith("no kernel for few rows")
     assert all(m.rows_weight is None for m in linears)
+
+
+def test_the_narrow_output_projection_takes_the_kernel_for_few_rows(
+    ops: NativeKernels, tiny_model_dir
+) -> None:
+    from worker.model.loader import load_model
+
+    model = load_model(str(tiny_model_dir("smollm2")), dtype="bfloat16").model
+    assert isinstance(model, LlamaForCausalLM)
+    # the tiny model's hidden size is under the loader's threshold for a narrow head: made
+    # here as the loader makes it for the default model
+    assert model.output_weight.dtype == torch.float32
+    model.narrow_output_projection(torch.bfloat16)
+    assert isinstance(model.narrow_head, Linear)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    want = model.compute_logits(hidden)
+    attach_rows_weights(model, ops)
+    assert (model.narrow_head.rows_weight is not None) == _built_here()
+    got = model.compute_logits(hidden, ops)
+    # the best candidates are re-scored in float32 either way: the greedy picks agree
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    refusing: NativeKernels = _Refusing()  # type: ignore[assignment]
+    many = torch.randn(SMALL_ROWS + 1, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(many, refusing), model.compute_logits(many))

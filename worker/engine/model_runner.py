@@ -260,7 +260,9 @@ class ModelRunner:
             if self.device.type == "cuda":  # the forward's time, not its launches'
                 torch.cuda.synchronize(self.device)
             return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
-        logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))  # [S, V]
+        logits = self.model.compute_logits(
+            hidden.index_select(0, inp.logit_rows), inp.meta.layer_ops
+        )  # [S, V]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()

@@ -60,14 +60,15 @@ class Linear(nn.Module):
         # or None: see `matmul`
         self.rows_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: NativeKernels | None = None) -> torch.Tensor:
+        """[rows, in] -> [rows, out] in x's dtype; `ops`: see `matmul`."""
         rows = x.shape[0]
         # Same dtype (CUDA; float32 on CPU): straight to the matmul, unless the weight is
         # packed for oneDNN, whose rows go to a bucket.
         bucketed = self.packed and self.rows_for(rows) != rows
         if x.dim() != 2 or (x.dtype == self.weight.dtype and not bucketed):
             return self.matmul(x)
-        return self.matmul(self.narrow_input(x))[:rows].to(x.dtype)
+        return self.matmul(self.narrow_input(x), rows, ops)[:rows].to(x.dtype)
 
     @property
     def packed(self) -> bool:
@@ -382,15 +383,20 @@ class LlamaForCausalLM(nn.Module):
         model keeps its half-precision lm_head beside the copy)."""
         self.float_head = self.output_weight.detach().float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, C] hidden states of the positions that sample -> [S, V] float32 logits."""
+    def compute_logits(
+        self, hidden: torch.Tensor, ops: NativeKernels | None = None
+    ) -> torch.Tensor:
+        """[S, C] hidden states of the positions that sample -> [S, V] float32 logits; with
+        `ops`, a narrow head holding `rows_weight` takes the C kernel for few rows."""
         h = self.norm(hidden)
         if self.float_head is not None:
             return F.linear(h.float(), self.float_head)
         weight = self.output_weight
         if self.narrow_head is None:
             return F.linear(h.to(weight.dtype), weight).float()
-        logits = self.narrow_head(h).float()  # [S, V], the narrow copy's rounding
+        head = self.narrow_head
+        # [S, V], the narrow copy's rounding
+        logits = (head(h, ops) if isinstance(head, Linear) else head(h)).float()
         k = min(RESCORED, logits.shape[-1])
         # Block maxima first, then topk over the best blocks: ~4x torch's topk over the
         # whole row of a vocabulary this size on CPU.

@@ -21,8 +21,8 @@ from worker.model.native import NativeKernels, rows_layout
 # runs on the packed weight.
 PACK_ROWS = 64
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-# The few-rows kernel's copy of the decoder's weights is kept only up to this size (it
-# doubles the memory the decoder's linear layers take).
+# The few-rows kernel's copy of the weights (decoder and narrow head) is kept only up to
+# this size: it doubles the memory those linear layers take.
 ROWS_COPY_MAX_BYTES = 1 << 30
 
 
@@ -66,12 +66,15 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
 
 
 def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str:
-    """Give each of the decoder's bfloat16 Linears (no bias, out a multiple of 16, in even) a
-    copy of its weight in the layout of the C kernel for few rows (`Linear.matmul`), where
-    the kernel is built (a CPU with avx512_bf16) and the copies fit ROWS_COPY_MAX_BYTES;
-    else drop any such copies. Returns what was done, for the start-up log. A second
-    copy, not a view: oneDNN's packed weight is opaque outside oneDNN."""
+    """Give each of the decoder's bfloat16 Linears and the output projection's narrow copy
+    (no bias, out a multiple of 16, in even) a copy of its weight in the layout of the C
+    kernel for few rows (`Linear.matmul`), where the kernel is built (a CPU with avx512_bf16
+    and no AMX) and the copies fit ROWS_COPY_MAX_BYTES; else drop any such copies. Returns
+    what was done, for the start-up log. A second copy, not a view: oneDNN's packed weight
+    is opaque outside oneDNN."""
     linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    if isinstance(model.narrow_head, Linear):
+        linears.append(model.narrow_head)  # the output projection's narrow copy
     for m in linears:
         m.rows_weight = None
     if kernels is None or kernels.matmul_rows_max < SMALL_ROWS:
