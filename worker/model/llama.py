@@ -27,7 +27,8 @@ RESCORED = 16
 # the C kernel for few rows where the layer holds a copy of its weight in that kernel's
 # layout (`Linear.rows_weight`, worker.model.packing.attach_rows_weights). The default
 # model's layers, 2 threads, AMD EPYC Zen 4, against oneDNN's packed matmul: 0.46x /
-# 0.63x / 0.84x / 1.03x the time at 1 / 4 / 8 / 16 rows (weights streaming from memory).
+# 0.55-0.63x / 0.72-0.84x / 0.97-1.03x the time at 1 / 4 / 8 / 16 rows (weights streaming
+# from memory; two runs); decode steps 0.60x / 0.71x / 0.86-0.92x at batch 1 / 4 / 8.
 SMALL_ROWS = 8
 # Below this hidden size a narrow output projection costs more than it saves: its
 # fixed part (widening [S, V] logits, picking candidates) stays while the matmul it
