@@ -162,8 +162,9 @@ class ModelRunner:
         self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
         # decode steps of few sequences: the linear layers through the C kernel for few
         # rows (worker.model.llama.SMALL_ROWS), whose weights' copy is made here
-        few_rows = attach_rows_weights(self.model, self._step_layer_ops())
-        if self._step_layer_ops() is not None:
+        step_ops = self._step_layer_ops()
+        few_rows = attach_rows_weights(self.model, step_ops)
+        if step_ops is not None:
             linear += f"; {few_rows}"
         self._slots = num_blocks * self.block_size
         # CPU: a step of one or two tokens of a small model runs no faster on several

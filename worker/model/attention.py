@@ -28,7 +28,7 @@ Everything a layer needs is in `AttentionMetadata`, built once per step by the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +117,12 @@ class AttentionMetadata:
     # CPU: the dtype prefill attention's q, k and v are cast to for SDPA (None: as they
     # are); its output returns to the activations' dtype (worker.hardware.choose_prefill_attention)
     prefill_dtype: torch.dtype | None = None
+    # whether a fresh prompt chunk attends to its own K/V through SDPA this step (the C
+    # rotary op then returns k and v, else stores them only); derived once per step
+    own_kv: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.own_kv = any(p.gather_index is None for p in self.prefills)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

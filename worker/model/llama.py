@@ -217,7 +217,6 @@ class Attention(nn.Module):
         cos, sin = (t.view(T, -1) for t in rope)  # [T, D/2]
         # rotary on q and k, the K/V store and the widening to float32 in one pass; k and
         # v come back only for a fresh prompt chunk, which attends to them through SDPA
-        own_kv = any(p.gather_index is None for p in meta.prefills)
         ops = meta.layer_ops
         q, k, v = ops.rope_store(
             self.qkv_proj.matmul(h, T, ops),
@@ -226,7 +225,7 @@ class Attention(nn.Module):
             meta.slot_mapping,
             *kv,
             self.num_heads,
-            own_kv,
+            meta.own_kv,
         )  # [T, H, D], [T, KVH, D] x 2 (or None), float32, contiguous
         # attention written straight into o_proj's input: its dtype, its padded rows
         rows = self.o_proj.rows_for(T)

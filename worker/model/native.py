@@ -16,6 +16,7 @@ one is a TypeError or ValueError here, not a write out of bounds.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -216,7 +217,7 @@ class NativeKernels:
         q, k, v = torch.split(out, [T * H * D, T * KVH * D, T * KVH * D])
         return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
 
-    @property
+    @functools.cached_property
     def matmul_rows_max(self) -> int:
         """The most rows `matmul_rows` takes: 16 where the library was built for a CPU with
         avx512_bf16 and no AMX, else 0 (the kernel is not there)."""

@@ -36,9 +36,7 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
     The weights are the model's: a runner built later on the same loaded model with
     another choice changes them under the earlier runner too (each keeps computing
     correctly, on the path the model now has; only its start-up description is stale)."""
-    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
-    if isinstance(model.narrow_head, Linear):
-        linears.append(model.narrow_head)
+    linears = _linears(model)
 
     def plain(why: str) -> str:
         for m in linears:  # also after a packing that failed halfway
@@ -72,9 +70,7 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     and no AMX) and the copies fit ROWS_COPY_MAX_BYTES; else drop any such copies. Returns
     what was done, for the start-up log. A second copy, not a view: oneDNN's packed weight
     is opaque outside oneDNN."""
-    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
-    if isinstance(model.narrow_head, Linear):
-        linears.append(model.narrow_head)  # the output projection's narrow copy
+    linears = _linears(model)
     for m in linears:
         m.rows_weight = None
     if kernels is None or kernels.matmul_rows_max < SMALL_ROWS:
@@ -98,3 +94,11 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
         f"at <= {SMALL_ROWS} rows the C kernel for few rows, over a second copy of "
         f"{len(targets)} weights ({size >> 20} MB)"
     )
+
+
+def _linears(model: LlamaForCausalLM) -> list[Linear]:
+    """The decoder layers' Linears and the output projection's narrow copy where it is one."""
+    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    if isinstance(model.narrow_head, Linear):
+        linears.append(model.narrow_head)
+    return linears
