@@ -97,10 +97,13 @@ def engine_options(fn: F) -> F:
         ),
         click.option(
             "--linear",
-            type=click.Choice(["auto", "onednn", "torch"]),
+            type=click.Choice(["auto", "onednn", "torch", "int16"]),
             default=None,
             help="CPU linear layers: weights packed once at load for oneDNN's matmul "
-            "(onednn), torch's plain matmul (torch), onednn where torch has it (auto).",
+            "(onednn), torch's plain matmul (torch), float32 layers as 16-bit integer "
+            "products in C (int16: 14-bit weights, 13-bit inputs); auto takes int16 for "
+            "float32 it chose on a CPU with AVX2 and no AVX-512, else onednn where torch "
+            "has it.",
         ),
         click.option(
             "--prefill-attention",

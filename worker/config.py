@@ -26,7 +26,7 @@ CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the model is loaded
 CPU_DTYPES = ("auto", "float32", "bfloat16", "int8")
 CUDA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "torch", "int16")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,9 @@ class EngineConfig:
     attention: str = "auto"
     # Linear layers on CPU: "onednn" packs their weights once at load for oneDNN's matmul
     # (worker.model.packing), "torch" keeps torch's plain matmul, "auto" packs where
-    # this torch has oneDNN (CPU only).
+    # this torch has oneDNN (CPU only); "int16" computes float32 layers as 16-bit integer
+    # products in C, which auto takes for float32 it chose on a CPU with AVX2 and no
+    # AVX-512 (worker.hardware.choose_int16_linear).
     linear: str = "auto"
     # The KV cache's dtype: "auto" is the activations' (float32 on CPU); "bfloat16" on CPU
     # holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
@@ -143,8 +145,8 @@ class EngineConfig:
             bad("attention 'native' is a CPU kernel; on CUDA use 'auto' or 'torch'")
         if self.linear not in LINEAR_BACKENDS:
             bad(f"linear must be one of {LINEAR_BACKENDS}, got {self.linear!r}")
-        if self.linear == "onednn" and self.device != "cpu":
-            bad("linear 'onednn' packs weights for CPU; on CUDA use 'auto' or 'torch'")
+        if self.linear in ("onednn", "int16") and self.device != "cpu":
+            bad(f"linear {self.linear!r} is for CPU; on CUDA use 'auto' or 'torch'")
         if self.prefill_attention not in PREFILL_ATTENTION_DTYPES:
             bad(
                 f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, "

@@ -81,6 +81,45 @@ def choose_dtype(
     )
 
 
+def choose_int16_linear(
+    requested: str,
+    requested_dtype: str,
+    linear_dtype: str,
+    cpu_flags: frozenset[str],
+    built: bool,
+) -> DtypeChoice | None:
+    """Whether float32 linear layers compute as 16-bit integer products (worker/model/
+    kernels/int16_matmul.c: 14-bit weights per output column, 13-bit inputs per block of
+    64, exact int32 sums), given `--linear` (`requested`), `--dtype` (`requested_dtype`)
+    and its resolution, the CPU and whether the kernel and the C layer ops it runs in are
+    there (`built`). None: the layers keep float32 arithmetic.
+
+    "int16" asks for it (ValueError where it cannot be had). Auto takes it for float32
+    layers that auto chose (an explicit float32 stays exact: the reference the others are
+    held to) on a CPU whose widest vectors are AVX2: there vpmaddwd does twice the products
+    of an FMA per instruction, and a decoder layer's matmuls took 0.44-0.71x the time of
+    float32 through oneDNN at 1-512 rows (AMD EPYC Zen 3, 2 threads). With AVX-512 the
+    float32 FMAs are twice as wide and the AVX2 kernel is not measured against them."""
+    if requested == "int16":
+        if linear_dtype != "float32":
+            raise ValueError(
+                f"linear 'int16' computes float32 linear layers; this model's are {linear_dtype}"
+            )
+        if not built:
+            raise ValueError(
+                "linear 'int16' is not available: it needs the C kernels built for a CPU "
+                "with AVX2 and FMA, and the C layer ops (attention 'native' or 'auto')"
+            )
+        return DtypeChoice("int16", "int16 set explicitly")
+    if requested != "auto" or linear_dtype != "float32" or not built:
+        return None
+    if requested_dtype != "auto" or "avx512f" in cpu_flags or "avx2" not in cpu_flags:
+        return None
+    return DtypeChoice(
+        "int16", "auto: float32 layers chosen by auto on a CPU with AVX2 and no AVX-512"
+    )
+
+
 def choose_output_head(requested: str, linear: str, device: str) -> DtypeChoice:
     """The dtype of the output projection's narrow copy (`LlamaForCausalLM.
     narrow_output_projection`: the best candidates of each row are scored again in

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload import Workload, make_longtail_workload, make_workload
 
-from worker.config import EngineConfig
+from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.request import SamplingParams, percentile
 
@@ -288,9 +288,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument(
-        "--linear", default="auto", choices=("auto", "onednn", "torch"), help="CPU linear layers"
-    )
+    ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS, help="CPU linear layers")
     ap.add_argument("--workload", choices=("mixed", "longtail"), default="mixed")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--llama-slots", default="1,2,4,8,16")

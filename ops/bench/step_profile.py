@@ -3,6 +3,7 @@
     python ops/bench/step_profile.py                 # batch 16, 32, 64; dtype auto
     python ops/bench/step_profile.py --compare-layer-ops   # C layer ops vs torch ops
     python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
+    python ops/bench/step_profile.py --linear int16 --compare-int16  # int16 vs float32
 
 `profile_decode` fills the engine with `batch` sequences (prompts of `context` tokens),
 then runs decode-only steps with the model's linear layers, attention, forward pass and
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import worker.model.llama as llama_mod
 import worker.model.quant as quant_mod
-from worker.config import EngineConfig
+from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
 from worker.model.packing import pack_linear_layers
@@ -229,11 +230,13 @@ def _linear_layers(engine: LLMEngine, batch: int) -> list[Layer]:
     """The model's linear layers (decoder layers + output projection), each with a random
     [batch, in] input in its own dtype (float32 into int8 layers)."""
     model = engine.runner.model
+    ops = engine.runner.layer_ops  # the int16 products run only through the C layer ops
     layers: list[Layer] = []
     for m in model.modules():
-        if isinstance(m, llama_mod.Linear):  # its own matmul: packed or plain, padded rows
+        if isinstance(m, llama_mod.Linear):  # its own matmul: packed, plain or int16
             w = m.weight
-            layers.append((torch.randn(m.rows_for(batch), w.shape[1], dtype=w.dtype), m.matmul))
+            fn = partial(m.matmul, ops=ops) if m.int16_weight is not None else m.matmul
+            layers.append((torch.randn(m.rows_for(batch), w.shape[1], dtype=w.dtype), fn))
         elif isinstance(m, quant_mod.Int8Linear):  # float32 in, the module's own steps
             layers.append((torch.randn(batch, m.in_features), m))
     if model.narrow_head is None:  # else the narrow projection is one of the modules above
@@ -377,6 +380,62 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
     return f"Decode step and linear layers alone, medians of {rounds} each:\n\n" + "\n".join(lines)
 
 
+def compare_int16(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
+    """Decode steps with the decoder's float32 linear layers as 16-bit integer products
+    (`--linear int16`) and in float32 through oneDNN's packed matmul, alternating step by
+    step (both copies held, swapped untimed); then passes of the linear layers alone."""
+    model, device = engine.runner.model, engine.runner.device.type
+    if engine.runner.layer_ops is None or not engine.runner.layer_ops.int16_built:
+        return "(nothing to compare: no int16 kernel or C layer ops here)"
+    linears = [m for m in model.layers.modules() if isinstance(m, llama_mod.Linear)]
+    held = {m: m.int16_weight for m in linears}
+    if any(w is None for w in held.values()):
+        return "(nothing to compare: run with --linear int16)"
+    pack_linear_layers(model, "onednn", device)
+    packed = {m: m.weight for m in linears}
+    for m in linears:
+        m.unpack()
+    plain = {m: m.weight for m in linears}
+
+    def use(int16: bool) -> Callable[[], None]:
+        def setup() -> None:
+            for m in linears:
+                m.weight, m.int16_weight = (plain[m], held[m]) if int16 else (packed[m], None)
+
+        return setup
+
+    lines = [
+        "| batch | step, int16 (ms) | step, float32 (ms) | int16 / float32 "
+        "| linear layers alone, int16 (ms) | float32 (ms) | int16 / float32 |"
+    ]
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    variants = {"int16": use(True), "float32": use(False)}
+    try:
+        for batch in batches:
+            med = _alternate(engine, batch, variants, rounds)
+            passes: dict[str, list[float]] = {name: [] for name in variants}
+            layers = {}
+            for name, setup in variants.items():
+                setup()
+                layers[name] = _linear_layers(engine, batch)
+            for _ in range(rounds):
+                for name, setup in variants.items():
+                    setup()
+                    passes[name].append(_linear_pass(layers[name]) * 1000)
+            alone = {name: statistics.median(t) for name, t in passes.items()}
+            lines.append(
+                f"| {batch} | {med['int16']:.1f} | {med['float32']:.1f} "
+                f"| {med['int16'] / med['float32']:.2f}x | {alone['int16']:.1f} "
+                f"| {alone['float32']:.1f} | {alone['int16'] / alone['float32']:.2f}x |"
+            )
+    finally:
+        use(True)()
+    return (
+        f"Decode step and linear layers alone (the output projection as configured in "
+        f"both), medians of {rounds} each:\n\n" + "\n".join(lines)
+    )
+
+
 CURVE_SIZES = (4, 8, 16, 32, 48, 64, 96, 128)
 
 
@@ -430,7 +489,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
-    ap.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"))
+    ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS)
     ap.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8")
     )
@@ -443,6 +502,12 @@ def main() -> None:
         "--compare-linear",
         action="store_true",
         help="only time decode steps with packed linear weights against torch's plain matmul",
+    )
+    ap.add_argument(
+        "--compare-int16",
+        action="store_true",
+        help="only time decode steps with int16 linear layers against float32 (oneDNN); "
+        "with --linear int16",
     )
     ap.add_argument(
         "--torch-profiler",
@@ -471,6 +536,9 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.compare_linear:
         print(compare_linear(engine, batches))
+        return
+    if args.compare_int16:
+        print(compare_int16(engine, batches))
         return
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
     print(table(rows, engine.info.dtype))

@@ -13,6 +13,7 @@ from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
 from worker.hardware import AGREEMENT_BAR, INT8_AGREEMENT, int8_reduce_range, read_cpu_flags
+from worker.model.llama import Linear
 from worker.model.loader import load_model
 from worker.model.quant import Int8Linear
 from worker.request import SamplingParams
@@ -193,6 +194,29 @@ def test_bfloat16_decode_of_few_sequences_agrees_with_float32(default_model_dir)
     print(f"decode steps of 4 (few-rows kernel: {has_kernel}): {agree}/{total}")
     assert total == 64 * len(AGREEMENT_PROMPTS)
     assert agree / total >= 0.99, f"{agree}/{total} next tokens agree"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_int16_linear_layers_agree_with_float32(default_model_dir, path: str) -> None:
+    """Float32 linear layers as 16-bit integer products (`--linear int16`, what auto takes
+    for float32 on a CPU with AVX2 and no AVX-512), behind the int8 output projection auto
+    gives them: the next token equals float32's greedy pick at >= 99% of positions, in a
+    prompt's prefill and through decode steps of 16 sequences."""
+    ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
+    loaded = load_model(str(default_model_dir), dtype="float32", head_dtype="int8")
+    cfg = EngineConfig(num_kv_blocks=256, linear="int16", attention="native")
+    runner = ModelRunner(cfg, loaded)
+    assert "16-bit integer products" in runner.info.linear, runner.info.linear
+    layers = [m for m in loaded.model.layers.modules() if isinstance(m, Linear)]
+    assert layers and all(m.int16_weight is not None for m in layers)
+    if path == "prefill":
+        agree, total = prefill_agreement(runner, ids, outs)
+    else:
+        agree, total = _decode_agreement(runner, ids, outs)
+    print(f"int16 linear layers, {path}: {agree}/{total}")
+    assert total == 64 * len(AGREEMENT_PROMPTS)
+    assert agree / total >= 0.99, f"int16 linear layers, {path}: {agree}/{total} agree"
 
 
 # Int8 linear layers miss the 99% bar on this model (worker.hardware.INT8_AGREEMENT);

@@ -16,6 +16,7 @@ from worker.hardware import (
     available_cores,
     cgroup_cpu_limit,
     choose_dtype,
+    choose_int16_linear,
     choose_kv_dtype,
     choose_output_head,
     choose_prefill_attention,
@@ -27,6 +28,7 @@ from worker.hardware import (
 AMD_EPYC_FLAGS = frozenset(["fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
 XEON_NO_BF16_FLAGS = frozenset(["fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512ifma"])
 SAPPHIRE_RAPIDS_FLAGS = frozenset(["avx512f", "amx_tile", "amx_int8", "amx_bf16"])
+EPYC_AVX2_FLAGS = frozenset(["fma", "avx2", "f16c"])
 
 
 def test_auto_picks_bfloat16_only_where_the_cpu_multiplies_it_natively() -> None:
@@ -176,6 +178,30 @@ def test_the_output_projection_narrows_beside_auto_float32_only() -> None:
     assert choose_output_head("auto", "bfloat16", "cpu").dtype == "bfloat16"
     assert choose_output_head("int8", "int8", "cpu").dtype == "int8"
     assert choose_output_head("auto", "float16", "cuda").dtype == "float16"
+
+
+def test_int16_linear_layers_where_auto_chose_float32_on_an_avx2_cpu() -> None:
+    """Auto computes float32 layers as int16 products on a CPU whose widest vectors are
+    AVX2, where it chose float32 itself and the kernel is there; nowhere else. An
+    explicit int16 is granted or refused with the reason."""
+    auto = choose_int16_linear("auto", "auto", "float32", EPYC_AVX2_FLAGS, built=True)
+    assert auto is not None and auto.dtype == "int16" and "AVX2" in auto.reason
+    for linear, dtype, flags, built in (
+        ("auto", "float32", EPYC_AVX2_FLAGS, True),  # float32 asked for: exact
+        ("auto", "auto", XEON_NO_BF16_FLAGS, True),  # AVX-512 FMAs: not measured
+        ("auto", "auto", EPYC_AVX2_FLAGS, False),  # no kernel or no C layer ops
+        ("onednn", "auto", EPYC_AVX2_FLAGS, True),  # another backend asked for
+    ):
+        assert choose_int16_linear(linear, dtype, "float32", flags, built) is None
+    assert choose_int16_linear("auto", "auto", "bfloat16", EPYC_AVX2_FLAGS, True) is None
+    explicit = choose_int16_linear("int16", "float32", "float32", AMD_EPYC_FLAGS, True)
+    assert explicit is not None and explicit.reason == "int16 set explicitly"
+    with pytest.raises(ValueError, match="this model's are bfloat16"):
+        choose_int16_linear("int16", "auto", "bfloat16", AMD_EPYC_FLAGS, True)
+    with pytest.raises(ValueError, match="AVX2 and FMA"):
+        choose_int16_linear("int16", "auto", "float32", EPYC_AVX2_FLAGS, False)
+    with pytest.raises(ValueError, match="'int16' is for CPU"):
+        EngineConfig(device="cuda", linear="int16")
 
 
 def test_huge_pages_are_asked_for_whole_pages_only_where_the_kernel_allows(tmp_path) -> None:

@@ -18,6 +18,7 @@ from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.hardware import (
     advise_huge_pages,
+    choose_int16_linear,
     choose_kv_dtype,
     choose_prefill_attention,
     detect_cores,
@@ -36,7 +37,7 @@ from worker.model.attention import (
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import I8_SCALE_BYTES, KV_DTYPES, MAX_GROUP, NativeKernels, load_native
-from worker.model.packing import attach_rows_weights, pack_linear_layers
+from worker.model.packing import attach_int16_weights, attach_rows_weights, pack_linear_layers
 from worker.model.quant import Int8Linear
 from worker.model.sampler import Sampler, SamplingRow
 
@@ -117,7 +118,8 @@ class ModelRunner:
         self.sliding_window = mcfg.sliding_window
         self.block_size = config.block_size
         cpu = self.device.type == "cpu"
-        linear = pack_linear_layers(self.model, config.linear, self.device.type)
+        packing = "auto" if config.linear == "int16" else config.linear
+        linear = pack_linear_layers(self.model, packing, self.device.type)
         self.native, attention = self._attention_backend(
             config, act_dtype, mcfg.num_heads // mcfg.num_kv_heads
         )
@@ -163,8 +165,18 @@ class ModelRunner:
         # decode steps of few sequences: the linear layers through the C kernel for few
         # rows (worker.model.llama.SMALL_ROWS), whose weights' copy is made here
         step_ops = self._step_layer_ops()
+        int16 = choose_int16_linear(
+            config.linear,
+            config.dtype,
+            dtype_name(loaded),
+            read_cpu_flags(),
+            built=step_ops is not None and step_ops.int16_built,
+        )
+        done = attach_int16_weights(self.model, int16 is not None)
+        if int16 is not None:
+            linear = f"{done} ({int16.reason})"
         few_rows = attach_rows_weights(self.model, step_ops)
-        if step_ops is not None:
+        if step_ops is not None and int16 is None:
             linear += f"; {few_rows}"
         self._slots = num_blocks * self.block_size
         # CPU: a step of one or two tokens of a small model runs no faster on several

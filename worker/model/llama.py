@@ -15,7 +15,7 @@ from torch import nn
 from worker.model.attention import AttentionMetadata, paged_attention, store_kv
 from worker.model.candidates import top_candidates
 from worker.model.config import ModelConfig
-from worker.model.native import NativeKernels
+from worker.model.native import Int16Weight, NativeKernels
 from worker.model.quant import Int8Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([NB, BS, KVH, D], [NB, BS, KVH, D])
@@ -60,6 +60,9 @@ class Linear(nn.Module):
         # the same weight in the few-rows kernel's layout (worker.model.native.rows_layout),
         # or None: see `matmul`
         self.rows_weight: torch.Tensor | None = None
+        # a float32 weight rounded for 16-bit integer products (worker.model.native.
+        # int16_layout, worker.model.packing.attach_int16_weights), or None: see `matmul`
+        self.int16_weight: Int16Weight | None = None
 
     def forward(self, x: torch.Tensor, ops: NativeKernels | None = None) -> torch.Tensor:
         """[rows, in] -> [rows, out] in x's dtype; `ops`: see `matmul`."""
@@ -113,7 +116,11 @@ class Linear(nn.Module):
         narrower than float32) -> [R, out], same dtype. Where the caller says only the first
         `tokens` rows are real (the rest padding), at most SMALL_ROWS of them, and passes
         the C kernels, a layer holding `rows_weight` computes them with the kernel for few
-        rows (padding rows zeroed, as the padded matmul leaves them)."""
+        rows (padding rows zeroed, as the padded matmul leaves them). With the C kernels a
+        float32 layer holding `int16_weight` computes all its rows as 16-bit integer
+        products (its weight is plain then: no padding rows)."""
+        if ops is not None and self.int16_weight is not None:
+            return ops.linear_i16(xp, self.int16_weight, self.bias)
         if (
             ops is not None
             and self.rows_weight is not None

@@ -31,7 +31,7 @@ from worker.hardware import read_cpu_flags
 
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
-    for name in ("paged_decode.c", "layer_ops.c", "small_matmul.c")
+    for name in ("paged_decode.c", "layer_ops.c", "small_matmul.c", "int16_matmul.c")
 )
 HEADERS = (Path(__file__).with_name("kernels") / "bf16.h",)  # included by SOURCES
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -41,6 +41,31 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and ou
 # int8 caches hold rows of D values and then their float32 scale: [NB, KVH, BS, D + 4]
 # bytes (worker.model.attention.quantize_rows)
 I8_SCALE_BYTES = 4
+# kernels/int16_matmul.c: weights rounded to 14 bits per output column, inputs to 13 bits
+# per row and block of INT16_BLOCK inputs
+INT16_WEIGHT_MAX = 8191
+INT16_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Int16Weight:
+    """A float32 linear layer's weight [N, K] rounded for kernels/int16_matmul.c:
+    W ~= wq * scale[:, None], wq laid out [N / 8, K / 2, 8, 2] (`int16_layout`)."""
+
+    wq: torch.Tensor  # [N / 8, K / 2, 8, 2] int16, |wq| <= INT16_WEIGHT_MAX
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.wq.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.wq.numel() * 2 + self.scale.numel() * 4
 
 
 @dataclass(frozen=True)
@@ -223,6 +248,51 @@ class NativeKernels:
         avx512_bf16 and no AMX, else 0 (the kernel is not there)."""
         return int(self.lib.kvflow_matmul_rows_max())
 
+    @functools.cached_property
+    def int16_built(self) -> bool:
+        """Whether `linear_i16` is built (a CPU with AVX2 and FMA)."""
+        return bool(self.lib.kvflow_linear_i16_built())
+
+    def linear_i16(
+        self,
+        x: torch.Tensor,  # [M, K] float32, contiguous
+        weight: Int16Weight,
+        bias: torch.Tensor | None = None,  # [N] float32
+    ) -> torch.Tensor:
+        """x @ W.T (+ bias) -> [M, N] float32 as 16-bit integer products
+        (kernels/int16_matmul.c): x rounded per row and block of INT16_BLOCK inputs, W as
+        `int16_layout` rounded it."""
+        _check_rows(x, float32_only=True)
+        M, K = x.shape
+        N = weight.out_features
+        _expect(weight.in_features == K, f"rows of {weight.in_features} inputs", x)
+        _expect(
+            weight.wq.dtype == torch.int16 and weight.wq.is_contiguous(),
+            "an int16 layout",
+            weight.wq,
+        )
+        if bias is not None:
+            _check_rows(bias, float32_only=True)
+            _expect(bias.shape == (N,), f"a bias of {N}", bias)
+        xq = torch.empty((M, K), dtype=torch.int16)
+        xs = torch.empty((M, -(-K // INT16_BLOCK)), dtype=torch.float32)
+        out = torch.empty((M, N), dtype=torch.float32)
+        status = self.lib.kvflow_linear_i16(
+            x.data_ptr(),
+            xq.data_ptr(),
+            xs.data_ptr(),
+            weight.wq.data_ptr(),
+            weight.scale.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            M,
+            N,
+            K,
+        )
+        if status:
+            raise RuntimeError(f"the int16 matmul refused [{M}, {K}] x [{N}, {K}] ({status})")
+        return out
+
     def matmul_rows(
         self,
         x: torch.Tensor,  # [R, K] bfloat16, contiguous; rows past `tokens` are padding
@@ -253,6 +323,21 @@ class NativeKernels:
         if failed:
             raise ValueError(f"the few-rows matmul refused {tokens} rows of {K} (code {failed})")
         return out
+
+
+def int16_layout(weight: torch.Tensor) -> Int16Weight:
+    """[N, K] float32 (N a multiple of 8, K even) -> its Int16Weight: each output column
+    rounded to the nearest of 2 * INT16_WEIGHT_MAX + 1 steps spanning its largest weight."""
+    N, K = weight.shape
+    if weight.dtype != torch.float32 or N % 8 != 0 or K % 2 != 0:
+        raise ValueError(
+            f"int16 weights need [N % 8 == 0, even K] float32, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    w = weight.detach()
+    scale = (w.abs().amax(dim=1) / INT16_WEIGHT_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    wq = torch.round(w / scale[:, None]).to(torch.int16)  # [N, K]
+    wq = wq.view(N // 8, 8, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return Int16Weight(wq, scale.contiguous())
 
 
 def rows_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -354,6 +439,10 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_matmul_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.kvflow_matmul_rows_max.restype = ctypes.c_int
     lib.kvflow_matmul_rows_max.argtypes = []
+    lib.kvflow_linear_i16.restype = ctypes.c_int
+    lib.kvflow_linear_i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
+    lib.kvflow_linear_i16_built.restype = ctypes.c_int
+    lib.kvflow_linear_i16_built.argtypes = []
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

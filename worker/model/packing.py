@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.llama import SMALL_ROWS, Linear, LlamaForCausalLM
-from worker.model.native import NativeKernels, rows_layout
+from worker.model.native import NativeKernels, int16_layout, rows_layout
 
 # The row count oneDNN picks the blocked layout for: a full decode batch. Any row count
 # runs on the packed weight.
@@ -93,6 +93,36 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     return (
         f"at <= {SMALL_ROWS} rows the C kernel for few rows, over a second copy of "
         f"{len(targets)} weights ({size >> 20} MB)"
+    )
+
+
+def attach_int16_weights(model: LlamaForCausalLM, use: bool) -> str:
+    """With `use`, give each of the decoder's float32 Linears (out a multiple of 8, in
+    even) its weight rounded for 16-bit integer products (`Linear.matmul`, worker/model/
+    kernels/int16_matmul.c), its float32 weight unpacked (the kernel takes any row count:
+    no padding); else drop any such copies. Returns what was done, for the start-up log.
+    The float32 weights stay: the torch path (no C layer ops) still computes with them."""
+    decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    for m in decoder:
+        m.int16_weight = None
+    if not use:
+        return ""
+    targets = [
+        m
+        for m in decoder
+        if m.weight.dtype == torch.float32
+        and m.weight.shape[0] % 8 == 0
+        and m.weight.shape[1] % 2 == 0
+    ]
+    for m in targets:
+        m.unpack()
+        m.int16_weight = int16_layout(m.weight)
+    size = sum(m.int16_weight.nbytes for m in targets if m.int16_weight is not None)
+    left = len(decoder) - len(targets)
+    return (
+        f"{len(targets)} float32 weights as 16-bit integer products in C (14-bit weights per "
+        f"output column, inputs 13-bit per block of 64; a copy of {size >> 20} MB)"
+        + (f"; {left} other layers float32 through torch" if left else "")
     )
 
 

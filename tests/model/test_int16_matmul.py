@@ -1,0 +1,223 @@
+"""Float32 linear layers as 16-bit integer products (kernels/int16_matmul.c): the layout,
+the kernel against the products of the rounded operands it claims to compute, its error
+against float64 next to bfloat16's, no overflow at the extremes, refusals, and which
+path a Linear takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import ScheduledRequest
+from worker.hardware import read_cpu_flags
+from worker.model.llama import Linear
+from worker.model.loader import load_model
+from worker.model.native import (
+    INT16_BLOCK,
+    INT16_WEIGHT_MAX,
+    NativeKernels,
+    int16_layout,
+    load_native,
+)
+from worker.model.packing import attach_int16_weights, pack_linear_layers
+from worker.request import SamplingParams
+
+X_MAX = 4095  # the kernel's |xq| (13-bit inputs)
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeKernels:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    # every CPU of this machine kind has AVX2 and FMA
+    assert loaded.kernels.int16_built == ({"avx2", "fma"} <= read_cpu_flags())
+    return loaded.kernels
+
+
+def _rounded_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: per row and block of INT16_BLOCK inputs, to the nearest
+    of 2 * X_MAX + 1 steps spanning the block's largest |x| (float64, dequantized)."""
+    M, K = x.shape
+    out = torch.empty(M, K, dtype=torch.float64)
+    for k0 in range(0, K, INT16_BLOCK):
+        block = x[:, k0 : k0 + INT16_BLOCK]
+        amax = block.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(amax > 0, amax * (1.0 / X_MAX), torch.ones_like(amax))
+        inv = 1.0 / scale  # float32, as the kernel multiplies by it
+        out[:, k0 : k0 + INT16_BLOCK] = torch.round(block * inv).double() * scale.double()
+    return out
+
+
+def _rounded_weight(w: torch.Tensor) -> torch.Tensor:
+    iw = int16_layout(w)
+    N, K = w.shape
+    q = iw.wq.permute(0, 2, 1, 3).reshape(N, K)  # back to [N, K]
+    return q.double() * iw.scale.double()[:, None]
+
+
+def test_int16_layout_puts_8_columns_in_the_lanes() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 6, generator=g)
+    iw = int16_layout(w)
+    assert iw.wq.shape == (2, 3, 8, 2) and iw.wq.dtype == torch.int16 and iw.wq.is_contiguous()
+    assert iw.scale.shape == (16,) and iw.out_features == 16 and iw.in_features == 6
+    q = torch.round(w / iw.scale[:, None]).to(torch.int16)
+    # wq[b][p][j][e] = round(W[8 b + j][2 p + e] / scale[8 b + j])
+    assert iw.wq[1, 2, 5, 1] == q[8 + 5, 2 * 2 + 1]
+    assert iw.wq[0, 1, 7, 0] == q[7, 2]
+    # each column's largest weight takes the full range; rounding within half a step
+    assert torch.equal(iw.wq.abs().amax(dim=(1, 3)).flatten(), torch.full((16,), INT16_WEIGHT_MAX))
+    err = (_rounded_weight(w) - w.double()).abs()
+    assert bool((err <= iw.scale.double()[:, None] * 0.5 + 1e-12).all())
+    with pytest.raises(ValueError, match="N % 8 == 0, even K"):
+        int16_layout(torch.zeros(12, 6))
+    with pytest.raises(ValueError, match="float32"):
+        int16_layout(torch.zeros(16, 6, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 130])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (66, 24), (2, 8)])
+def test_linear_i16_computes_the_rounded_operands_products(
+    ops: NativeKernels, rows: int, k: int, n: int
+) -> None:
+    """Row counts off the 4-row tile and past the 64-row chunk, column blocks off the
+    2-block tile, inputs off the 64-input block."""
+    g = torch.Generator().manual_seed(rows * 31 + k + n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g)
+    got = ops.linear_i16(x, int16_layout(w))
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # exact integer sums, float32 only across blocks and in the scales; an input next to
+    # the midpoint of two steps may round the other way in the kernel (its reciprocal of
+    # the step is not computed as here): one step (7e-4) x 0.05 off for each such input
+    want = _rounded_inputs(x) @ _rounded_weight(w).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-4)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops: NativeKernels) -> None:
+    """Batch invariance: a sequence's logits must not move with the batch it decodes in
+    (tiles of 4 rows, chunks of 64, the rounding run on several threads past 32K inputs)."""
+    g = torch.Generator().manual_seed(17)
+    w = int16_layout(torch.randn(576, 1536, generator=g) * 0.05)
+    x = torch.randn(130, 1536, generator=g)
+    whole = ops.linear_i16(x, w)
+    for lo, hi in ((0, 1), (61, 66), (127, 130), (5, 130)):
+        assert torch.equal(ops.linear_i16(x[lo:hi].contiguous(), w), whole[lo:hi])
+
+
+def test_linear_i16_error_is_below_bfloat16s(ops: NativeKernels) -> None:
+    """Against float64, with an outlier input column as LLM activations have: the error of
+    int16 products is a fraction of bfloat16's (both operands rounded to bfloat16,
+    float32 sums)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(960, 576, generator=g) * 0.05
+    x = torch.randn(32, 576, generator=g)
+    x[:, 7] *= 60.0  # one block's step widens; the others keep theirs
+    exact = x.double() @ w.double().T
+    got = ops.linear_i16(x, int16_layout(w)).double()
+    bf16 = (x.bfloat16().float() @ w.bfloat16().float().T).double()
+
+    def rel(t: torch.Tensor) -> float:
+        return float((t - exact).norm() / exact.norm())
+
+    assert rel(got) < 1e-3
+    assert rel(got) < rel(bf16) / 3, (rel(got), rel(bf16))
+
+
+def test_linear_i16_does_not_overflow_at_the_extremes(ops: NativeKernels) -> None:
+    """Every input and weight at its largest magnitude, signs aligned: each block's int32
+    sum is at its largest (64 x 8191 x 4095 < 2^31) and the result stays exact."""
+    k, n = 1536, 16
+    w = torch.ones(n, k)
+    w[1::2] = -1.0  # odd columns: the most negative sums
+    x = torch.full((3, k), 1e3)
+    got = ops.linear_i16(x, int16_layout(w))
+    want = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    zero = ops.linear_i16(torch.zeros(2, k), int16_layout(w))
+    assert torch.count_nonzero(zero) == 0
+
+
+def test_linear_i16_adds_the_bias(ops: NativeKernels) -> None:
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(24, 64, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(5, 64, generator=g)
+    iw = int16_layout(w)
+    torch.testing.assert_close(ops.linear_i16(x, iw, b), ops.linear_i16(x, iw) + b)
+
+
+def test_linear_i16_refuses_what_it_cannot_read(ops: NativeKernels) -> None:
+    iw = int16_layout(torch.randn(16, 64))
+    with pytest.raises(TypeError, match="contiguous"):
+        ops.linear_i16(torch.randn(3, 64).bfloat16(), iw)
+    with pytest.raises(TypeError, match="contiguous"):
+        ops.linear_i16(torch.randn(64, 3).T, iw)
+    with pytest.raises(ValueError, match="rows of 64 inputs"):
+        ops.linear_i16(torch.randn(3, 32), iw)
+    with pytest.raises(ValueError, match="a bias of 16"):
+        ops.linear_i16(torch.randn(3, 64), iw, torch.zeros(8))
+
+
+def test_a_linear_takes_int16_products_only_with_the_c_ops(ops: NativeKernels) -> None:
+    g = torch.Generator().manual_seed(9)
+    lin = Linear(64, 32)
+    lin.weight = torch.nn.Parameter(torch.randn(32, 64, generator=g), requires_grad=False)
+    x = torch.randn(6, 64, generator=g)
+    exact = torch.nn.functional.linear(x, lin.weight)
+    lin.int16_weight = int16_layout(lin.weight)
+    assert torch.equal(lin.matmul(x), exact)  # no C ops: float32 as it was
+    got = lin.matmul(x, ops=ops)
+    assert not torch.equal(got, exact)  # rounded operands...
+    assert float((got - exact).norm() / exact.norm()) < 1e-3  # ...close to float32
+
+
+def test_attach_int16_weights_unpacks_and_detaches(tiny_model_dir) -> None:
+    loaded = load_model(str(tiny_model_dir("qwen2")), dtype="float32")
+    model = loaded.model
+    pack_linear_layers(model, "auto", "cpu")
+    decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    said = attach_int16_weights(model, True)
+    assert "16-bit integer products" in said and f"{len(decoder)} float32 weights" in said
+    assert all(m.int16_weight is not None and not m.packed for m in decoder)
+    assert attach_int16_weights(model, False) == ""
+    assert all(m.int16_weight is None for m in decoder)
+
+
+def test_a_model_with_int16_linear_layers_keeps_float32s_logits(tiny_model_dir) -> None:
+    """A whole forward pass (Qwen2: biases on q, k and v) through `--linear int16` against
+    the same model's float32 layers: logits within a small fraction of their spread."""
+    path = str(tiny_model_dir("qwen2"))
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, 1000, (40,), generator=g).tolist()
+
+    def logits(linear: str) -> torch.Tensor:
+        cfg = EngineConfig(model=path, num_kv_blocks=16, linear=linear, attention="native")
+        runner = ModelRunner(cfg, load_model(path, dtype="float32"))
+        assert ("16-bit integer products" in runner.info.linear) == (linear == "int16")
+        step = ScheduledRequest(
+            request_id="a",
+            token_ids=ids,
+            start=0,
+            num_new_tokens=len(ids),
+            block_ids=list(range(4)),
+            num_prompt_tokens=len(ids),
+            sampling_params=SamplingParams(temperature=0.0),
+            eos_token_ids=(),
+        )
+        return runner.all_logits([step])["a"]  # [40, V]
+
+    exact, int16 = logits("torch"), logits("int16")
+    assert exact.shape == int16.shape == (40, exact.shape[1])
+    assert not torch.equal(exact, int16)
+    assert float((int16 - exact).abs().max() / exact.std()) < 0.02
+
+
+def test_explicit_int16_needs_float32_layers(tiny_model_dir) -> None:
+    path = str(tiny_model_dir("qwen2"))
+    cfg = EngineConfig(model=path, num_kv_blocks=16, linear="int16")
+    with pytest.raises(ValueError, match="linear 'int16' computes float32 linear layers"):
+        ModelRunner(cfg, load_model(path, dtype="bfloat16"))
+    with pytest.raises(ValueError, match="linear 'int16' is for CPU"):
+        EngineConfig(model=path, device="cuda", linear="int16")
