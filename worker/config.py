@@ -145,8 +145,10 @@ class EngineConfig:
             bad("attention 'native' is a CPU kernel; on CUDA use 'auto' or 'torch'")
         if self.linear not in LINEAR_BACKENDS:
             bad(f"linear must be one of {LINEAR_BACKENDS}, got {self.linear!r}")
-        if self.linear in ("onednn", "int16") and self.device != "cpu":
-            bad(f"linear {self.linear!r} is for CPU; on CUDA use 'auto' or 'torch'")
+        if self.linear == "onednn" and self.device != "cpu":
+            bad("linear 'onednn' packs weights for CPU; on CUDA use 'auto' or 'torch'")
+        if self.linear == "int16" and self.device != "cpu":
+            bad("linear 'int16' is for CPU (AVX2); on CUDA use 'auto' or 'torch'")
         if self.prefill_attention not in PREFILL_ATTENTION_DTYPES:
             bad(
                 f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, "

@@ -57,6 +57,7 @@ def test_logits_match_reference(
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = EngineConfig(
         model=str(path),
+        dtype="float32",  # exact float32 (auto may compute it as int16 products)
         block_size=BS,
         num_kv_blocks=64,
         attention=attention,

@@ -18,6 +18,22 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+def _packs_bfloat16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it needs avx512bw, avx512vl and
+    avx512dq, or avx_ne_convert: an AMD EPYC with AVX2 only has neither)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 64)
+    except RuntimeError:
+        return False
+    return True
+
+
+BF16_PACKS = torch.backends.mkldnn.is_available() and _packs_bfloat16()
+# the narrow dtype the runner tests pack: float32 where oneDNN refuses bfloat16
+PACKED_DTYPE = torch.bfloat16 if BF16_PACKS else torch.float32
+PACKED_NAME = "bfloat16" if BF16_PACKS else "float32"
+
+
 def _linear(dtype: torch.dtype, bias: bool, seed: int) -> Linear:
     g = torch.Generator().manual_seed(seed)
     m = Linear(96, 160, bias=bias)
@@ -32,11 +48,18 @@ def _linear(dtype: torch.dtype, bias: bool, seed: int) -> Linear:
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_bfloat16_equals_the_plain_matmul(rows: int, bias: bool) -> None:
     """Bit for bit on the CPUs measured (AMD EPYC with avx512_bf16); one bfloat16 step is
-    allowed, as another CPU's kernels (AMX) may block the sums of the two paths apart."""
+    allowed, as another CPU's kernels (AMX) may block the sums of the two paths apart.
+    Where oneDNN refuses bfloat16 (AVX2 only) the layer says so and stays plain."""
     m = _linear(torch.bfloat16, bias, rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows + 1))
     plain = m(x)
     weight = m.weight.clone()
+    if not BF16_PACKS:
+        with pytest.raises(RuntimeError, match="bf16"):
+            m.pack(64)
+        assert not m.packed and torch.equal(m(x), plain)
+        assert pack_linear_layers_of(m).startswith("torch (packing failed: ")
+        return
     m.pack(64)
     assert m.packed and m.weight.shape == (160, 96) and m.weight.dtype == torch.bfloat16
     with torch.inference_mode():
@@ -80,14 +103,17 @@ def test_same_dtype_rows_go_straight_to_the_matmul() -> None:
 
 @needs_onednn
 def test_the_runner_packs_the_decoder_and_the_narrow_head_only(default_model_dir) -> None:
-    loaded = load_model(str(default_model_dir), dtype="bfloat16")
-    runner = ModelRunner(EngineConfig(num_kv_blocks=64), loaded)
+    loaded = load_model(str(default_model_dir), dtype=PACKED_NAME)
+    runner = ModelRunner(EngineConfig(num_kv_blocks=64, dtype=PACKED_NAME), loaded)
     model = runner.model
     decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
     assert decoder and all(m.packed for m in decoder)
-    assert isinstance(model.narrow_head, Linear) and model.narrow_head.packed
+    heads = 0
+    if BF16_PACKS:  # float32 layers loaded so have no narrow head
+        assert isinstance(model.narrow_head, Linear) and model.narrow_head.packed
+        heads = 1
     packed, few_rows = runner.info.linear.split("; ")
-    assert packed == f"oneDNN, {len(decoder) + 1} weights packed at load"
+    assert packed == f"oneDNN, {len(decoder) + heads} weights packed at load"
     # decode steps of few sequences: the C kernel's own copy of the decoder's weights
     native = runner.native
     assert ("C kernel for few rows" in few_rows) == (
@@ -103,15 +129,16 @@ def test_an_untied_full_projection_stays_plain(tiny_model_dir) -> None:
     loaded.model.narrow_output_projection(torch.bfloat16)
     runner = ModelRunner(EngineConfig(model=path, block_size=4, num_kv_blocks=64), loaded)
     assert runner.model.lm_head is not None and not runner.model.lm_head.packed
-    assert isinstance(runner.model.narrow_head, Linear) and runner.model.narrow_head.packed
+    assert isinstance(runner.model.narrow_head, Linear)
+    assert runner.model.narrow_head.packed == BF16_PACKS
 
 
 @needs_onednn
 def test_a_torch_runner_unpacks_a_model_packed_before(tiny_model_dir) -> None:
     path = str(tiny_model_dir("qwen2"))  # q/k/v biases
-    loaded = load_model(path, dtype="bfloat16")
-    loaded.model.narrow_output_projection(torch.bfloat16)  # a packed narrow head, too
-    cfg = EngineConfig(model=path, block_size=4, num_kv_blocks=64, dtype="bfloat16")
+    loaded = load_model(path, dtype=PACKED_NAME)
+    loaded.model.narrow_output_projection(PACKED_DTYPE)  # a packed narrow head (bfloat16)
+    cfg = EngineConfig(model=path, block_size=4, num_kv_blocks=64, dtype=PACKED_NAME)
     packed = ModelRunner(cfg, loaded)
     assert packed.info.linear.startswith("oneDNN")
     ids = torch.randint(0, 1000, (19,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -123,7 +150,7 @@ def test_a_torch_runner_unpacks_a_model_packed_before(tiny_model_dir) -> None:
     )
     assert plain.info.linear.startswith("torch (set explicitly)")
     assert not any(m.packed for m in loaded.model.modules() if isinstance(m, Linear))
-    assert loaded.model.narrow_head is not None
+    assert (loaded.model.narrow_head is not None) == BF16_PACKS
     got = plain.all_logits([_sched("a", ids, 0, 19, list(range(5)))])["a"]
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bfloat16 rounding at most
 
@@ -142,7 +169,7 @@ def test_int8_layers_are_left_to_their_own_kernels(tiny_model_dir) -> None:
 def test_a_packing_that_fails_leaves_every_weight_plain(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    loaded = load_model(str(tiny_model_dir("llama3")), dtype="bfloat16")
+    loaded = load_model(str(tiny_model_dir("llama3")), dtype=PACKED_NAME)
     linears = [m for m in loaded.model.layers.modules() if isinstance(m, Linear)]
     real_pack, calls = Linear.pack, []
 
@@ -160,6 +187,14 @@ def test_a_packing_that_fails_leaves_every_weight_plain(
     with pytest.raises(ValueError, match="packing failed"):
         pack_linear_layers(loaded.model, "onednn", "cpu")
     assert len(calls) == 3 and not any(m.packed for m in linears)
+
+
+def pack_linear_layers_of(m: Linear) -> str:
+    """What pack_linear_layers says for a model holding only `m` (as its one layer)."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(layers=torch.nn.ModuleList([m]), narrow_head=None)
+    return pack_linear_layers(model, "auto", "cpu")  # type: ignore[arg-type]
 
 
 def test_onednn_is_for_cpu() -> None:
