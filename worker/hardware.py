@@ -5,8 +5,10 @@ multiplies it natively (AVX-512 BF16 or AMX; on such a CPU torch's bf16 matmul r
 ~3.5x its float32) or on a CUDA device with bf16 support, float32 elsewhere (a CPU
 that emulates bf16 ran the engine ~0.6x as fast as float32). Int8 linear layers
 (worker.model.quant) would be next where the CPU has integer dot products, but they
-miss the accuracy bar (`INT8_AGREEMENT`), so auto leaves them to `--dtype int8`. The
-decision functions take the facts as arguments, so tests can ask about any machine.
+miss the accuracy bar (`INT8_AGREEMENT`), so auto leaves them to `--dtype int8`.
+Where auto chose float32 on a CPU whose widest vectors are AVX2, the linear layers
+compute as 16-bit integer products (`choose_int16_linear`). The decision functions take
+the facts as arguments, so tests can ask about any machine.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ class NativeKernels:
         if bias is not None:
             _check_rows(bias, float32_only=True)
             _expect(bias.shape == (N,), f"a bias of {N}", bias)
-        xq = torch.empty((M, K), dtype=torch.int16)
+        xq = torch.empty((-(-M // 4) * 4, K), dtype=torch.int16)  # four rows per tile
         xs = torch.empty((M, -(-K // INT16_BLOCK)), dtype=torch.float32)
         out = torch.empty((M, N), dtype=torch.float32)
         status = self.lib.kvflow_linear_i16(

@@ -7,8 +7,9 @@
  *
  *   wq [N / 8, K / 2, 8, 2] int16, wq[b][p][j][e] = round(W[8 b + j][2 p + e] / ws[8 b + j]),
  *      |wq| <= W_MAX, one float32 scale per output column (ws [N]);
- *   xq [M, K] int16, |xq| <= X_MAX, one float32 scale per row and block of KB inputs
- *      (xs [M, ceil(K / KB)]): an outlier of a row widens the step of its own block only.
+ *   x rounded per call to int16 (|xq| <= X_MAX), one float32 scale per row and block of
+ *      KB inputs (xs [M, ceil(K / KB)]): an outlier of a row widens the step of its own
+ *      block only. xq is scratch the caller gives: [ceil(M / 4) * 4, K] int16.
  *
  * A block's products are summed in int32: KB * W_MAX * X_MAX < 2^31, so no sum
  * overflows, whatever the inputs. Each block's sums are then scaled by the row's block
@@ -17,19 +18,22 @@
  * Weights: per output column, 14 bits (relative step 2^-13 of the column's largest
  * weight); bfloat16 keeps 8 significant bits of each. Inputs: 13 bits per block of 64.
  *
- * Tiles of MR = 4 rows x NR = 2 column blocks (16 columns): 8 int32 accumulators; per
- * pair of inputs 4 broadcasts, 8 vpmaddwd with the weights as memory operands and 8
- * vpaddd. Wider tiles ran slower: with 12 accumulators gcc spills some of them to the
- * stack inside the loop (4 x 3: 66-69 GOP/s on one thread against 102-104 for 4 x 2,
- * AMD EPYC Zen 3, the default model's four decoder shapes at 64 rows; float32 through
- * oneDNN 63-67 GFLOP/s). Threads split the column panels; the rows go through in chunks
- * of MC so that a chunk's inputs stay in L2 while every panel passes over them.
+ * Tiles of MR = 4 rows x NR = 3 column blocks (24 columns): 12 int32 accumulators; per
+ * pair of inputs 4 broadcasts (one 16-byte run of xq), 12 vpmaddwd with the weights as
+ * memory operands and 12 vpaddd. The full tile's loop is written in assembly: with
+ * intrinsics gcc spilled accumulators to the stack (4 x 3: 66-69 GOP/s on one thread, 4 x
+ * 2 in intrinsics 102-104, AMD EPYC Zen 3, the default model's four decoder shapes at 64
+ * rows; float32 through oneDNN 63-67 GFLOP/s); the assembly 4 x 3 took 0.83-0.86x the 4 x
+ * 2's time at 4-64 rows, 0.97x at 256-512 (2 threads), where both ran at ~112 GOP/s a
+ * core: ~70-80% of what this core sustains of vpmaddwd + vpaddd pairs alone (1.3-1.6 a
+ * cycle). Threads split the column panels; the rows go through in chunks of MC so that a
+ * chunk's inputs stay in L2 while every panel passes over them.
  *
- * Measured there (2 threads, the four shapes of a decoder layer, rounding of the inputs
- * included): 0.44x / 0.47x / 0.52x / 0.61x / 0.71x the time of float32 through oneDNN
- * with packed weights at 1 / 8 / 16 / 64 / 512 rows (217 GOP/s at 512 rows against 149
- * GFLOP/s); the error against float64 a fifth of bfloat16's (relative 5e-4 against 2.7e-3
- * over random inputs with an outlier column).
+ * Measured there with the 4 x 2 tile (2 threads, the four shapes of a decoder layer,
+ * rounding of the inputs included): 0.44x / 0.47x / 0.52x / 0.61x / 0.71x the time of
+ * float32 through oneDNN with packed weights at 1 / 8 / 16 / 64 / 512 rows (217 GOP/s at
+ * 512 rows against 149 GFLOP/s); the error against float64 a fifth of bfloat16's
+ * (relative 5e-4 against 2.7e-3 over random inputs with an outlier column).
  */
 #include <math.h>
 #include <omp.h>
@@ -40,34 +44,44 @@
 #define W_MAX 8191 /* |wq|: 14-bit weights */
 #define X_MAX 4095 /* |xq|: 13-bit inputs; KB * W_MAX * X_MAX = 2,146,697,280 < 2^31 */
 
-/* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). */
+/* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). The
+ * rounded rows are written four at a time, pair by pair, as the tiles read them:
+ * xq [ceil(M / 4)][K / 2][4] pairs of int16 (rows past M zero), so one tile's four
+ * broadcasts of a step are one 16-byte run. */
 static void quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
-    const int nkb = (K + KB - 1) / KB;
+    const int nkb = (K + KB - 1) / KB, P = K / 2;
+    uint32_t *xp = (uint32_t *)xq;
 #pragma omp parallel for schedule(static) if (M * K > 32768)
     for (int m = 0; m < M; m++) {
+        uint32_t *dst = xp + (size_t)(m / 4) * P * 4 + m % 4;
         for (int kb = 0; kb < nkb; kb++) {
             const float *xr = x + (size_t)m * K + kb * KB;
-            int16_t *qr = xq + (size_t)m * K + kb * KB;
             const int n = K - kb * KB < KB ? K - kb * KB : KB;
             float amax = 0.0f;
             for (int k = 0; k < n; k++) amax = fmaxf(amax, fabsf(xr[k]));
             const float scale = amax > 0.0f ? amax * (1.0f / X_MAX) : 1.0f;
             const float inv = 1.0f / scale;
-            for (int k = 0; k < n; k++) qr[k] = (int16_t)lrintf(xr[k] * inv);
+            for (int k = 0; k < n; k += 2) {
+                const uint16_t lo = (uint16_t)(int16_t)lrintf(xr[k] * inv);
+                const uint16_t hi = (uint16_t)(int16_t)lrintf(xr[k + 1] * inv);
+                dst[(size_t)(kb * (KB / 2) + k / 2) * 4] = lo | (uint32_t)hi << 16;
+            }
             xs[(size_t)m * nkb + kb] = scale;
         }
     }
+    for (int m = M; m % 4 != 0; m++) /* the last tile's missing rows */
+        for (int q = 0; q < P; q++) xp[((size_t)(m / 4) * P + q) * 4 + m % 4] = 0;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #define MR 4
-#define NR 2
+#define NR 3
 #define MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
 
-/* Rows m0..m0+mr-1 x column blocks b0..b0+nr-1 over all K (mr, nr literals where
- * inlined, so acc stays in registers). */
+/* Rows m0..m0+mr-1 (m0 a multiple of 4) x column blocks b0..b0+nr-1 over all K (mr, nr
+ * literals where inlined); the tiles short of 4 x 3 at the edges. */
 static inline __attribute__((always_inline)) void
 tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restrict wq,
      const float *restrict ws, const float *restrict bias, float *restrict out, int K, int N,
@@ -88,7 +102,7 @@ tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restri
                     (const __m256i *)(wq + (size_t)(b0 + n) * wstride + (size_t)p * 16));
             for (int m = 0; m < mr; m++) {
                 const __m256i pair = _mm256_set1_epi32(
-                    *(const int32_t *)(xq + (size_t)(m0 + m) * K + 2 * (size_t)p));
+                    ((const int32_t *)xq)[((size_t)(m0 / 4) * (K / 2) + p) * 4 + m]);
                 for (int n = 0; n < nr; n++)
                     acc[m][n] = _mm256_add_epi32(acc[m][n], _mm256_madd_epi16(pair, w[n]));
             }
@@ -111,10 +125,92 @@ tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restri
     }
 }
 
+
+/* The full tile, 4 rows x 3 column blocks, its pair loop in assembly: the 12 accumulators
+ * stay in registers (written with intrinsics, gcc spills some of them inside the loop),
+ * ymm12-13 the broadcast pairs, ymm14-15 the products. The same sums in the same order
+ * as `tile`, so a row's result does not depend on which tile it falls in. */
+static inline __attribute__((always_inline)) void
+tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *restrict wq,
+       const float *restrict ws, const float *restrict bias, float *restrict out, int K, int N,
+       int nkb, int m0, int b0) {
+    float total[4][3][8] __attribute__((aligned(32)));
+    memset(total, 0, sizeof(total));
+    const size_t wstride = (size_t)K * 8;
+    for (int kb = 0; kb < nkb; kb++) {
+        const int p0 = kb * (KB / 2), p1 = (K / 2 < p0 + KB / 2) ? K / 2 : p0 + KB / 2;
+        __m256i a00, a01, a02, a10, a11, a12, a20, a21, a22, a30, a31, a32;
+        a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 =
+            _mm256_setzero_si256();
+        const int16_t *w0 = wq + (size_t)b0 * wstride + (size_t)p0 * 16;
+        const int32_t *x0 = (const int32_t *)xq + ((size_t)(m0 / 4) * (K / 2) + p0) * 4;
+        const int32_t *xend = x0 + (size_t)(p1 - p0) * 4;
+        const long ws2 = (long)wstride * 2; /* bytes per column block */
+        __asm__ volatile(
+            "1:\n\t"
+            "vpbroadcastd (%[x]), %%ymm12\n\t"
+            "vpbroadcastd 4(%[x]), %%ymm13\n\t"
+            "vpmaddwd (%[w]), %%ymm12, %%ymm14\n\t"
+            "vpaddd %%ymm14, %[a00], %[a00]\n\t"
+            "vpmaddwd (%[w],%[ws]), %%ymm12, %%ymm15\n\t"
+            "vpaddd %%ymm15, %[a01], %[a01]\n\t"
+            "vpmaddwd (%[w],%[ws],2), %%ymm12, %%ymm14\n\t"
+            "vpaddd %%ymm14, %[a02], %[a02]\n\t"
+            "vpmaddwd (%[w]), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %[a10], %[a10]\n\t"
+            "vpmaddwd (%[w],%[ws]), %%ymm13, %%ymm14\n\t"
+            "vpaddd %%ymm14, %[a11], %[a11]\n\t"
+            "vpmaddwd (%[w],%[ws],2), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %[a12], %[a12]\n\t"
+            "vpbroadcastd 8(%[x]), %%ymm12\n\t"
+            "vpbroadcastd 12(%[x]), %%ymm13\n\t"
+            "vpmaddwd (%[w]), %%ymm12, %%ymm14\n\t"
+            "vpaddd %%ymm14, %[a20], %[a20]\n\t"
+            "vpmaddwd (%[w],%[ws]), %%ymm12, %%ymm15\n\t"
+            "vpaddd %%ymm15, %[a21], %[a21]\n\t"
+            "vpmaddwd (%[w],%[ws],2), %%ymm12, %%ymm14\n\t"
+            "vpaddd %%ymm14, %[a22], %[a22]\n\t"
+            "vpmaddwd (%[w]), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %[a30], %[a30]\n\t"
+            "vpmaddwd (%[w],%[ws]), %%ymm13, %%ymm14\n\t"
+            "vpaddd %%ymm14, %[a31], %[a31]\n\t"
+            "vpmaddwd (%[w],%[ws],2), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %[a32], %[a32]\n\t"
+            "add $16, %[x]\n\t"
+            "add $32, %[w]\n\t"
+            "cmp %[xend], %[x]\n\t"
+            "jne 1b\n\t"
+            : [a00] "+x"(a00), [a01] "+x"(a01), [a02] "+x"(a02), [a10] "+x"(a10),
+              [a11] "+x"(a11), [a12] "+x"(a12), [a20] "+x"(a20), [a21] "+x"(a21),
+              [a22] "+x"(a22), [a30] "+x"(a30), [a31] "+x"(a31), [a32] "+x"(a32),
+              [x] "+r"(x0), [w] "+r"(w0)
+            : [xend] "r"(xend), [ws] "r"(ws2)
+            : "ymm12", "ymm13", "ymm14", "ymm15", "memory", "cc");
+        const __m256i acc[4][3] = {
+            {a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+        for (int m = 0; m < 4; m++) {
+            const __m256 s = _mm256_set1_ps(xs[(size_t)(m0 + m) * nkb + kb]);
+            for (int c = 0; c < 3; c++)
+                _mm256_store_ps(total[m][c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][c]), s,
+                                                             _mm256_load_ps(total[m][c])));
+        }
+    }
+    for (int c = 0; c < 3; c++) {
+        const __m256 sc = _mm256_loadu_ps(ws + (size_t)(b0 + c) * 8);
+        const __m256 add =
+            bias ? _mm256_loadu_ps(bias + (size_t)(b0 + c) * 8) : _mm256_setzero_ps();
+        for (int m = 0; m < 4; m++)
+            _mm256_storeu_ps(out + (size_t)(m0 + m) * N + (size_t)(b0 + c) * 8,
+                             _mm256_fmadd_ps(_mm256_load_ps(total[m][c]), sc, add));
+    }
+}
+
 #define TILE(MV, NV) tile(xq, xs, wq, ws, bias, out, K, N, nkb, m, b, MV, NV)
 #define ROWS_CASE(MV)                                                                   \
     case MV:                                                                            \
-        if (nr == 2) TILE(MV, 2);                                                       \
+        if (MV == 4 && nr == 3) tile43(xq, xs, wq, ws, bias, out, K, N, nkb, m, b);     \
+        else if (nr == 3) TILE(MV, 3);                                                  \
+        else if (nr == 2) TILE(MV, 2);                                                  \
         else TILE(MV, 1);                                                               \
         break;
 
