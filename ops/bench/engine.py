@@ -408,10 +408,10 @@ def main() -> None:
         import step_profile
 
         md += "\n\nDecode step profile (ms per step, contexts ~256 tokens):\n\n"
-        md += step_profile.table(profile_rows, engine.info.dtype)
+        md += step_profile.table(profile_rows, step_profile.limit_label(engine))
         if "kvflow-gather" in systems:
             md += "\n\nThe same at batch 64 with decode attention by block gather (--attention torch):\n\n"
-            md += step_profile.table(gather_rows, engine.info.dtype)
+            md += step_profile.table(gather_rows, step_profile.limit_label(engine))
         md += f"\n\nDecode tokens/s by batch size (`{args.out / 'batch_curve.png'}`):\n\n"
         md += curve_md
     print("\n" + md)

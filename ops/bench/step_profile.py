@@ -271,6 +271,12 @@ def run(
     return out
 
 
+def limit_label(engine: LLMEngine) -> str:
+    """What the linear-layer limit computes in: the dtype, or how float32 is computed."""
+    int16 = "16-bit integer products" in engine.info.linear
+    return f"{engine.info.dtype} as int16 products" if int16 else engine.info.dtype
+
+
 def table(rows: list[StepProfile], dtype: str) -> str:
     head = "| batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
     head += f" | linear-layer limit tok/s ({dtype}) | share of limit |"
@@ -541,7 +547,7 @@ def main() -> None:
         print(compare_int16(engine, batches))
         return
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
-    print(table(rows, engine.info.dtype))
+    print(table(rows, limit_label(engine)))
 
 
 if __name__ == "__main__":
