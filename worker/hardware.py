@@ -85,16 +85,17 @@ def choose_dtype(
 
 def choose_int16_linear(
     requested: str,
-    requested_dtype: str,
+    auto_dtype: bool,
     linear_dtype: str,
     cpu_flags: frozenset[str],
     built: bool,
 ) -> DtypeChoice | None:
     """Whether float32 linear layers compute as 16-bit integer products (worker/model/
     kernels/int16_matmul.c: 14-bit weights per output column, 13-bit inputs per block of
-    64, exact int32 sums), given `--linear` (`requested`), `--dtype` (`requested_dtype`)
-    and its resolution, the CPU and whether the kernel and the C layer ops it runs in are
-    there (`built`). None: the layers keep float32 arithmetic.
+    64, exact int32 sums), given `--linear` (`requested`), whether `--dtype auto` chose
+    the layers' dtype (`auto_dtype`) and that dtype, the CPU, and whether the kernel, the
+    C layer ops it runs in and layers it takes are there (`built`). None: the layers keep
+    float32 arithmetic.
 
     "int16" asks for it (ValueError where it cannot be had). Auto takes it for float32
     layers that auto chose (an explicit float32 stays exact: the reference the others are
@@ -110,12 +111,14 @@ def choose_int16_linear(
         if not built:
             raise ValueError(
                 "linear 'int16' is not available: it needs the C kernels built for a CPU "
-                "with AVX2 and FMA, and the C layer ops (attention 'native' or 'auto')"
+                "with AVX2 and FMA, the C layer ops (attention 'native' or 'auto'; not for "
+                "models with a q/k norm) and linear layers of a multiple of 8 outputs and "
+                "an even number of inputs"
             )
         return DtypeChoice("int16", "int16 set explicitly")
     if requested != "auto" or linear_dtype != "float32" or not built:
         return None
-    if requested_dtype != "auto" or "avx512f" in cpu_flags or "avx2" not in cpu_flags:
+    if not auto_dtype or "avx512f" in cpu_flags or "avx2" not in cpu_flags:
         return None
     return DtypeChoice(
         "int16", "auto: float32 layers chosen by auto on a CPU with AVX2 and no AVX-512"

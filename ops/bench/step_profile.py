@@ -337,6 +337,8 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
     then passes of the linear layers alone at the same batch, alternating likewise."""
     model, device = engine.runner.model, engine.runner.device.type
     chosen = engine.config.linear
+    if any(isinstance(m, llama_mod.Linear) and m.int16_weight is not None for m in model.modules()):
+        return "(int16 linear layers here: run with --linear onednn, or --compare-int16)"
     try:
         pack_linear_layers(model, "onednn", device)
     except ValueError as e:

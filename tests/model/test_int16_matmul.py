@@ -5,6 +5,8 @@ path a Linear takes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,12 +80,14 @@ def test_int16_layout_puts_8_columns_in_the_lanes() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 130])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (66, 24), (2, 8)])
+@pytest.mark.parametrize(
+    ("k", "n"), [(576, 960), (1536, 576), (66, 24), (2, 8), (130, 16), (64, 40)]
+)
 def test_linear_i16_computes_the_rounded_operands_products(
     ops: NativeKernels, rows: int, k: int, n: int
 ) -> None:
-    """Row counts off the 4-row tile and past the 64-row chunk, column blocks off the
-    2-block tile, inputs off the 64-input block."""
+    """Row counts off the 4-row tile and past the 64-row chunk; column blocks in whole
+    3-block tiles and off them (1 and 2 left); inputs off the 64-input block."""
     g = torch.Generator().manual_seed(rows * 31 + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(rows, k, generator=g)
@@ -138,6 +142,21 @@ def test_linear_i16_does_not_overflow_at_the_extremes(ops: NativeKernels) -> Non
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
     zero = ops.linear_i16(torch.zeros(2, k), int16_layout(w))
     assert torch.count_nonzero(zero) == 0
+
+
+def test_a_nan_or_infinity_reaches_its_rows_outputs(ops: NativeKernels) -> None:
+    """As a float32 matmul would pass it on: a non-finite input makes its row's outputs
+    NaN, not a silently finite result (the other rows keep theirs); zeros and values
+    far below float32's normal range round to finite results."""
+    g = torch.Generator().manual_seed(13)
+    w = int16_layout(torch.randn(16, 128, generator=g))
+    x = torch.randn(4, 128, generator=g)
+    x[1, 70], x[2, 3] = float("nan"), float("inf")
+    x[3] = 1e-40  # denormals: the block's step is held at float32's smallest normal
+    got = ops.linear_i16(x, w)
+    assert bool(got[1].isnan().all()) and bool(got[2].isnan().all())
+    assert bool(got[0].isfinite().all()) and bool(got[3].isfinite().all())
+    torch.testing.assert_close(got[0:1], ops.linear_i16(x[0:1].contiguous(), w))
 
 
 def test_linear_i16_adds_the_bias(ops: NativeKernels) -> None:
@@ -212,6 +231,22 @@ def test_a_model_with_int16_linear_layers_keeps_float32s_logits(tiny_model_dir) 
     assert exact.shape == int16.shape == (40, exact.shape[1])
     assert not torch.equal(exact, int16)
     assert float((int16 - exact).abs().max() / exact.std()) < 0.02
+
+
+def test_auto_takes_int16_only_for_float32_it_chose(tiny_model_dir) -> None:
+    """A float32 model loaded as auto's choice computes as int16 products on a CPU whose
+    widest vectors are AVX2 (nowhere else); the same model loaded as float32 asked for
+    stays float32 on every CPU."""
+    path = str(tiny_model_dir("llama3"))
+    flags = read_cpu_flags()
+    avx2_widest = "avx2" in flags and "avx512f" not in flags
+    cfg = EngineConfig(model=path, num_kv_blocks=16, attention="native")
+    loaded = load_model(path, dtype="float32")
+    chosen = ModelRunner(cfg, dataclasses.replace(loaded, auto_dtype=True))
+    assert ("16-bit integer products" in chosen.info.linear) == avx2_widest, chosen.info.linear
+    asked = ModelRunner(cfg, loaded)  # auto_dtype False: float32 was asked for
+    assert "16-bit integer products" not in asked.info.linear
+    assert all(m.int16_weight is None for m in loaded.model.modules() if isinstance(m, Linear))
 
 
 def test_explicit_int16_needs_float32_layers(tiny_model_dir) -> None:

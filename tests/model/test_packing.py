@@ -55,7 +55,7 @@ def test_packed_bfloat16_equals_the_plain_matmul(rows: int, bias: bool) -> None:
     plain = m(x)
     weight = m.weight.clone()
     if not BF16_PACKS:
-        with pytest.raises(RuntimeError, match="bf16"):
+        with pytest.raises(RuntimeError):
             m.pack(64)
         assert not m.packed and torch.equal(m(x), plain)
         assert pack_linear_layers_of(m).startswith("torch (packing failed: ")

@@ -184,22 +184,22 @@ def test_int16_linear_layers_where_auto_chose_float32_on_an_avx2_cpu() -> None:
     """Auto computes float32 layers as int16 products on a CPU whose widest vectors are
     AVX2, where it chose float32 itself and the kernel is there; nowhere else. An
     explicit int16 is granted or refused with the reason."""
-    auto = choose_int16_linear("auto", "auto", "float32", EPYC_AVX2_FLAGS, built=True)
+    auto = choose_int16_linear("auto", True, "float32", EPYC_AVX2_FLAGS, built=True)
     assert auto is not None and auto.dtype == "int16" and "AVX2" in auto.reason
-    for linear, dtype, flags, built in (
-        ("auto", "float32", EPYC_AVX2_FLAGS, True),  # float32 asked for: exact
-        ("auto", "auto", XEON_NO_BF16_FLAGS, True),  # AVX-512 FMAs: not measured
-        ("auto", "auto", EPYC_AVX2_FLAGS, False),  # no kernel or no C layer ops
-        ("onednn", "auto", EPYC_AVX2_FLAGS, True),  # another backend asked for
+    for linear, auto_dtype, flags, built in (
+        ("auto", False, EPYC_AVX2_FLAGS, True),  # float32 asked for: exact
+        ("auto", True, XEON_NO_BF16_FLAGS, True),  # AVX-512 FMAs: not measured
+        ("auto", True, EPYC_AVX2_FLAGS, False),  # no kernel, C layer ops or fitting layers
+        ("onednn", True, EPYC_AVX2_FLAGS, True),  # another backend asked for
     ):
-        assert choose_int16_linear(linear, dtype, "float32", flags, built) is None
-    assert choose_int16_linear("auto", "auto", "bfloat16", EPYC_AVX2_FLAGS, True) is None
-    explicit = choose_int16_linear("int16", "float32", "float32", AMD_EPYC_FLAGS, True)
+        assert choose_int16_linear(linear, auto_dtype, "float32", flags, built) is None
+    assert choose_int16_linear("auto", True, "bfloat16", EPYC_AVX2_FLAGS, True) is None
+    explicit = choose_int16_linear("int16", False, "float32", AMD_EPYC_FLAGS, True)
     assert explicit is not None and explicit.reason == "int16 set explicitly"
     with pytest.raises(ValueError, match="this model's are bfloat16"):
-        choose_int16_linear("int16", "auto", "bfloat16", AMD_EPYC_FLAGS, True)
+        choose_int16_linear("int16", True, "bfloat16", AMD_EPYC_FLAGS, True)
     with pytest.raises(ValueError, match="AVX2 and FMA"):
-        choose_int16_linear("int16", "auto", "float32", EPYC_AVX2_FLAGS, False)
+        choose_int16_linear("int16", True, "float32", EPYC_AVX2_FLAGS, False)
     with pytest.raises(ValueError, match="'int16' is for CPU"):
         EngineConfig(device="cuda", linear="int16")
 

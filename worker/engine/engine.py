@@ -7,6 +7,7 @@ thread for asyncio callers, `worker.batch` drives it directly.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -75,6 +76,7 @@ class LLMEngine:
                 cache_dir=config.cache_dir,
                 head_dtype=head.dtype,
             )
+            loaded = dataclasses.replace(loaded, auto_dtype=config.dtype == "auto")
             if loaded.model.narrow_head is not None:  # too small a model keeps float32's
                 choice = DtypeChoice(
                     choice.dtype, f"{choice.reason}; output projection: {head.reason}"

@@ -37,7 +37,12 @@ from worker.model.attention import (
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import I8_SCALE_BYTES, KV_DTYPES, MAX_GROUP, NativeKernels, load_native
-from worker.model.packing import attach_int16_weights, attach_rows_weights, pack_linear_layers
+from worker.model.packing import (
+    attach_int16_weights,
+    attach_rows_weights,
+    int16_fits,
+    pack_linear_layers,
+)
 from worker.model.quant import Int8Linear
 from worker.model.sampler import Sampler, SamplingRow
 
@@ -118,11 +123,34 @@ class ModelRunner:
         self.sliding_window = mcfg.sliding_window
         self.block_size = config.block_size
         cpu = self.device.type == "cpu"
-        packing = "auto" if config.linear == "int16" else config.linear
-        linear = pack_linear_layers(self.model, packing, self.device.type)
         self.native, attention = self._attention_backend(
             config, act_dtype, mcfg.num_heads // mcfg.num_kv_heads
         )
+        # The layer's per-token ops in C where the attention kernel is (the same library),
+        # for a float32 residual stream (what those kernels take); each step's metadata
+        # carries them where the model's layers take them (decided here, once).
+        self.layer_ops = self.native if act_dtype == torch.float32 else None
+        self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
+        step_ops = self._step_layer_ops()
+        # float32 layers as int16 products, through those ops; decided before the packing
+        # for oneDNN, which they replace
+        int16 = choose_int16_linear(
+            config.linear,
+            loaded.auto_dtype,
+            dtype_name(loaded),
+            read_cpu_flags(),
+            built=step_ops is not None and step_ops.int16_built and int16_fits(self.model),
+        )
+        packing = "torch" if int16 is not None else config.linear
+        linear = pack_linear_layers(self.model, packing, self.device.type)
+        done = attach_int16_weights(self.model, int16 is not None)
+        if int16 is not None:
+            linear = f"{done} ({int16.reason})"
+        # decode steps of few sequences: the linear layers through the C kernel for few
+        # rows (worker.model.llama.SMALL_ROWS), whose weights' copy is made here
+        few_rows = attach_rows_weights(self.model, step_ops)
+        if step_ops is not None and int16 is None:
+            linear += f"; {few_rows}"
         kv = choose_kv_dtype(
             config.kv_cache_dtype,
             self.device.type,
@@ -157,27 +185,6 @@ class ModelRunner:
             (self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(mcfg.num_layers)
         ]
         self.workspace = Workspace(self.device, self.kv_dtype)
-        # The layer's per-token ops in C where the attention kernel is (the same library),
-        # for a float32 residual stream (what those kernels take); each step's metadata
-        # carries them where the model's layers take them (decided here, once).
-        self.layer_ops = self.native if act_dtype == torch.float32 else None
-        self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
-        # decode steps of few sequences: the linear layers through the C kernel for few
-        # rows (worker.model.llama.SMALL_ROWS), whose weights' copy is made here
-        step_ops = self._step_layer_ops()
-        int16 = choose_int16_linear(
-            config.linear,
-            config.dtype,
-            dtype_name(loaded),
-            read_cpu_flags(),
-            built=step_ops is not None and step_ops.int16_built,
-        )
-        done = attach_int16_weights(self.model, int16 is not None)
-        if int16 is not None:
-            linear = f"{done} ({int16.reason})"
-        few_rows = attach_rows_weights(self.model, step_ops)
-        if step_ops is not None and int16 is None:
-            linear += f"; {few_rows}"
         self._slots = num_blocks * self.block_size
         # CPU: a step of one or two tokens of a small model runs no faster on several
         # OpenMP threads, but the idle ones spin between kernels and take a core from the

@@ -36,6 +36,10 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path  # the HF directory the weights came from
     name: str  # a short name for logs, metrics and the ledger
+    # whether `--dtype auto` chose the dtype (an engine that loaded it so says): float32
+    # chosen by auto may compute as int16 products (worker.hardware.choose_int16_linear),
+    # float32 asked for stays exact
+    auto_dtype: bool = False
 
 
 def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> Path:

@@ -266,10 +266,16 @@ class NativeKernels:
         M, K = x.shape
         N = weight.out_features
         _expect(weight.in_features == K, f"rows of {weight.in_features} inputs", x)
+        wq, scale = weight.wq, weight.scale
         _expect(
-            weight.wq.dtype == torch.int16 and weight.wq.is_contiguous(),
-            "an int16 layout",
-            weight.wq,
+            wq.dtype == torch.int16 and wq.is_contiguous() and wq.shape == (N // 8, K // 2, 8, 2),
+            f"an int16 layout [{N // 8}, {K // 2}, 8, 2]",
+            wq,
+        )
+        _expect(
+            N % 8 == 0 and scale.dtype == torch.float32 and scale.is_contiguous(),
+            "contiguous float32 scales of a multiple of 8 columns",
+            scale,
         )
         if bias is not None:
             _check_rows(bias, float32_only=True)

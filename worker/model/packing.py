@@ -96,33 +96,39 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     )
 
 
+def int16_fits(model: LlamaForCausalLM) -> bool:
+    """Whether every Linear of the decoder is one the int16 kernel takes: float32, out a
+    multiple of 8, in even (all or none: a layer's rows are padded alike for its matmuls)."""
+    decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    return bool(decoder) and all(
+        m.weight.dtype == torch.float32
+        and m.weight.shape[0] % 8 == 0
+        and m.weight.shape[1] % 2 == 0
+        for m in decoder
+    )
+
+
 def attach_int16_weights(model: LlamaForCausalLM, use: bool) -> str:
-    """With `use`, give each of the decoder's float32 Linears (out a multiple of 8, in
-    even) its weight rounded for 16-bit integer products (`Linear.matmul`, worker/model/
-    kernels/int16_matmul.c), its float32 weight unpacked (the kernel takes any row count:
-    no padding); else drop any such copies. Returns what was done, for the start-up log.
+    """With `use` (where `int16_fits`), give each of the decoder's Linears its weight
+    rounded for 16-bit integer products (`Linear.matmul`, worker/model/kernels/
+    int16_matmul.c), its float32 weight unpacked (the kernel takes any row count: no
+    padding); else drop any such copies. Returns what was done, for the start-up log.
     The float32 weights stay: the torch path (no C layer ops) still computes with them."""
     decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
     for m in decoder:
         m.int16_weight = None
     if not use:
         return ""
-    targets = [
-        m
-        for m in decoder
-        if m.weight.dtype == torch.float32
-        and m.weight.shape[0] % 8 == 0
-        and m.weight.shape[1] % 2 == 0
-    ]
-    for m in targets:
+    if not int16_fits(model):
+        raise ValueError("int16 weights need float32 layers of N % 8 == 0 and even K")
+    size = 0
+    for m in decoder:
         m.unpack()
         m.int16_weight = int16_layout(m.weight)
-    size = sum(m.int16_weight.nbytes for m in targets if m.int16_weight is not None)
-    left = len(decoder) - len(targets)
+        size += m.int16_weight.nbytes
     return (
-        f"{len(targets)} float32 weights as 16-bit integer products in C (14-bit weights per "
+        f"{len(decoder)} float32 weights as 16-bit integer products in C (14-bit weights per "
         f"output column, inputs 13-bit per block of 64; a copy of {size >> 20} MB)"
-        + (f"; {left} other layers float32 through torch" if left else "")
     )
 
 

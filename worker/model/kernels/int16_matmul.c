@@ -35,6 +35,7 @@
  * 512 rows against 149 GFLOP/s); the error against float64 a fifth of bfloat16's
  * (relative 5e-4 against 2.7e-3 over random inputs with an outlier column).
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -46,20 +47,36 @@
 
 /* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). The
  * rounded rows are written four at a time, pair by pair, as the tiles read them:
- * xq [ceil(M / 4)][K / 2][4] pairs of int16 (rows past M zero), so one tile's four
- * broadcasts of a step are one 16-byte run. */
+ * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M unwritten and
+ * never read: the edge tiles read their own rows only), so one tile's four broadcasts of
+ * a step are one 16-byte run. */
 static void quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
     const int nkb = (K + KB - 1) / KB, P = K / 2;
     uint32_t *xp = (uint32_t *)xq;
-#pragma omp parallel for schedule(static) if (M * K > 32768)
+#pragma omp parallel for schedule(static) if ((long)M * K > 32768)
     for (int m = 0; m < M; m++) {
         uint32_t *dst = xp + (size_t)(m / 4) * P * 4 + m % 4;
         for (int kb = 0; kb < nkb; kb++) {
             const float *xr = x + (size_t)m * K + kb * KB;
             const int n = K - kb * KB < KB ? K - kb * KB : KB;
-            float amax = 0.0f;
-            for (int k = 0; k < n; k++) amax = fmaxf(amax, fabsf(xr[k]));
-            const float scale = amax > 0.0f ? amax * (1.0f / X_MAX) : 1.0f;
+            /* the largest |x| by its bits: NaN and infinity compare above every finite
+             * value there (-ffast-math lets the compiler assume neither exists) */
+            uint32_t top = 0;
+            for (int k = 0; k < n; k++) {
+                uint32_t bits;
+                memcpy(&bits, xr + k, sizeof bits);
+                bits &= 0x7fffffffu;
+                top = bits > top ? bits : top;
+            }
+            float amax, scale;
+            memcpy(&amax, &top, sizeof amax);
+            if (top >= 0x7f800000u) { /* a NaN or infinity: the block's scale is NaN, */
+                const uint32_t nan = 0x7fc00000u; /* so the row's outputs are NaN */
+                memcpy(&scale, &nan, sizeof scale);
+            } else {
+                /* FLT_MIN at least: a block of zeros or denormals keeps a finite inverse */
+                scale = fmaxf(amax * (1.0f / X_MAX), FLT_MIN);
+            }
             const float inv = 1.0f / scale;
             for (int k = 0; k < n; k += 2) {
                 const uint16_t lo = (uint16_t)(int16_t)lrintf(xr[k] * inv);
@@ -69,8 +86,6 @@ static void quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) 
             xs[(size_t)m * nkb + kb] = scale;
         }
     }
-    for (int m = M; m % 4 != 0; m++) /* the last tile's missing rows */
-        for (int q = 0; q < P; q++) xp[((size_t)(m / 4) * P + q) * 4 + m % 4] = 0;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -215,7 +230,8 @@ tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *rest
         break;
 
 /* out [M, N] float32 = x [M, K] float32 @ W.T (+ bias [N], or NULL), W given as wq and ws
- * (above); xq [M, K] int16 and xs [M, ceil(K / KB)] float32 are scratch for x's rounding. */
+ * (above); xq [ceil(M / 4) * 4, K] int16 and xs [M, ceil(K / KB)] float32 are scratch for
+ * x's rounding. */
 int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
                       const float *ws, const float *bias, float *out, int M, int N, int K) {
     if (M < 0 || N % 8 != 0 || K < 2 || K % 2 != 0) return 1;
