@@ -402,9 +402,13 @@ class HeldSampler:
         self.ready: list[tuple[float, int]] = []
         self.samples = 0
         self._task: asyncio.Task[None] | None = None
+        # Stopped between samples, never cancelled: a cancelled passive declare closes the
+        # harness's shared channel (aiormq closes a channel whose RPC was cancelled), and
+        # the test's next broker call on it fails.
+        self._stop = asyncio.Event()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stop.is_set():
             for wid, n in (await self.h.running_by_worker()).items():
                 self.max_running[wid] = max(self.max_running[wid], n)
             for wid, row in (await self.h.worker_rows()).items():
@@ -412,7 +416,8 @@ class HeldSampler:
                 self.max_held[wid] = max(self.max_held[wid], held)
             self.ready.append((time.monotonic(), await self.h.ready_count()))
             self.samples += 1
-            await asyncio.sleep(self.every)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.every)
 
     async def __aenter__(self) -> HeldSampler:
         self._task = asyncio.create_task(self._loop())
@@ -420,10 +425,12 @@ class HeldSampler:
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        if self._task.cancelled():
+        self._stop.set()
+        done, _ = await asyncio.wait({self._task}, timeout=30)
+        if not done:  # a sample stuck on a broker gone away: cancel it after all
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
             return
         self._task.result()  # re-raise a sampler failure
 
