@@ -271,9 +271,16 @@ def run(
     return out
 
 
+def _has_int16_layers(engine: LLMEngine) -> bool:
+    return any(
+        isinstance(m, llama_mod.Linear) and m.int16_weight is not None
+        for m in engine.runner.model.modules()
+    )
+
+
 def limit_label(engine: LLMEngine) -> str:
     """What the linear-layer limit computes in: the dtype, or how float32 is computed."""
-    int16 = "16-bit integer products" in engine.info.linear
+    int16 = _has_int16_layers(engine)
     return f"{engine.info.dtype} as int16 products" if int16 else engine.info.dtype
 
 
@@ -331,13 +338,40 @@ def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> s
     return "\n".join(lines) + f"\n\nC layer ops / torch ops: {ratio:.2f}x"
 
 
+def _steps_and_passes(
+    engine: LLMEngine, batch: int, variants: dict[str, Callable[[], None]], rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per variant of decode steps (`_alternate`), then of passes of the linear
+    layers alone at the same batch, the variants alternating likewise."""
+    med = _alternate(engine, batch, variants, rounds)
+    layers = {}
+    for name, setup in variants.items():
+        setup()
+        layers[name] = _linear_layers(engine, batch)
+    passes: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, setup in variants.items():
+            setup()
+            passes[name].append(_linear_pass(layers[name]) * 1000)
+    return med, {name: statistics.median(t) for name, t in passes.items()}
+
+
+def _ratio_row(batch: int, med: dict[str, float], alone: dict[str, float]) -> str:
+    """A table row: steps of the two variants and their ratio, then the passes alone."""
+    a, b = med
+    return (
+        f"| {batch} | {med[a]:.1f} | {med[b]:.1f} | {med[a] / med[b]:.2f}x "
+        f"| {alone[a]:.1f} | {alone[b]:.1f} | {alone[a] / alone[b]:.2f}x |"
+    )
+
+
 def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
     """Decode steps with the linear weights packed for oneDNN and with torch's plain
     matmul, alternating step by step (both copies of the weights held, swapped untimed);
     then passes of the linear layers alone at the same batch, alternating likewise."""
     model, device = engine.runner.model, engine.runner.device.type
     chosen = engine.config.linear
-    if any(isinstance(m, llama_mod.Linear) and m.int16_weight is not None for m in model.modules()):
+    if _has_int16_layers(engine):
         return "(int16 linear layers here: run with --linear onednn, or --compare-int16)"
     try:
         pack_linear_layers(model, "onednn", device)
@@ -362,26 +396,10 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
         "| linear layers alone, packed (ms) | plain (ms) | packed / plain |"
     ]
     lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    variants = {"packed": use("onednn"), "plain": use("torch")}
     try:
         for batch in batches:
-            med = _alternate(
-                engine, batch, {"packed": use("onednn"), "plain": use("torch")}, rounds
-            )
-            passes: dict[str, list[float]] = {"onednn": [], "torch": []}
-            layers = {}
-            for choice in passes:
-                use(choice)()
-                layers[choice] = _linear_layers(engine, batch)
-            for _ in range(rounds):
-                for choice, times in passes.items():
-                    use(choice)()
-                    times.append(_linear_pass(layers[choice]) * 1000)
-            alone = {c: statistics.median(t) for c, t in passes.items()}
-            lines.append(
-                f"| {batch} | {med['packed']:.1f} | {med['plain']:.1f} "
-                f"| {med['packed'] / med['plain']:.2f}x | {alone['onednn']:.1f} "
-                f"| {alone['torch']:.1f} | {alone['onednn'] / alone['torch']:.2f}x |"
-            )
+            lines.append(_ratio_row(batch, *_steps_and_passes(engine, batch, variants, rounds)))
     finally:
         use("torch")()
         pack_linear_layers(model, chosen, device)
@@ -420,22 +438,7 @@ def compare_int16(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20)
     variants = {"int16": use(True), "float32": use(False)}
     try:
         for batch in batches:
-            med = _alternate(engine, batch, variants, rounds)
-            passes: dict[str, list[float]] = {name: [] for name in variants}
-            layers = {}
-            for name, setup in variants.items():
-                setup()
-                layers[name] = _linear_layers(engine, batch)
-            for _ in range(rounds):
-                for name, setup in variants.items():
-                    setup()
-                    passes[name].append(_linear_pass(layers[name]) * 1000)
-            alone = {name: statistics.median(t) for name, t in passes.items()}
-            lines.append(
-                f"| {batch} | {med['int16']:.1f} | {med['float32']:.1f} "
-                f"| {med['int16'] / med['float32']:.2f}x | {alone['int16']:.1f} "
-                f"| {alone['float32']:.1f} | {alone['int16'] / alone['float32']:.2f}x |"
-            )
+            lines.append(_ratio_row(batch, *_steps_and_passes(engine, batch, variants, rounds)))
     finally:
         use(True)()
     return (

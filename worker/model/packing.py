@@ -99,7 +99,7 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
 def int16_fits(model: LlamaForCausalLM) -> bool:
     """Whether every Linear of the decoder is one the int16 kernel takes: float32, out a
     multiple of 8, in even (all or none: a layer's rows are padded alike for its matmuls)."""
-    decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    decoder = _decoder_linears(model)
     return bool(decoder) and all(
         m.weight.dtype == torch.float32
         and m.weight.shape[0] % 8 == 0
@@ -114,7 +114,7 @@ def attach_int16_weights(model: LlamaForCausalLM, use: bool) -> str:
     int16_matmul.c), its float32 weight unpacked (the kernel takes any row count: no
     padding); else drop any such copies. Returns what was done, for the start-up log.
     The float32 weights stay: the torch path (no C layer ops) still computes with them."""
-    decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    decoder = _decoder_linears(model)
     for m in decoder:
         m.int16_weight = None
     if not use:
@@ -134,7 +134,11 @@ def attach_int16_weights(model: LlamaForCausalLM, use: bool) -> str:
 
 def _linears(model: LlamaForCausalLM) -> list[Linear]:
     """The decoder layers' Linears and the output projection's narrow copy where it is one."""
-    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    linears = _decoder_linears(model)
     if isinstance(model.narrow_head, Linear):
         linears.append(model.narrow_head)
     return linears
+
+
+def _decoder_linears(model: LlamaForCausalLM) -> list[Linear]:
+    return [m for m in model.layers.modules() if isinstance(m, Linear)]

@@ -45,6 +45,9 @@
 #define W_MAX 8191 /* |wq|: 14-bit weights */
 #define X_MAX 4095 /* |xq|: 13-bit inputs; KB * W_MAX * X_MAX = 2,146,697,280 < 2^31 */
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
 /* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). The
  * rounded rows are written four at a time, pair by pair, as the tiles read them:
  * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M unwritten and
@@ -88,12 +91,35 @@ static void quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) 
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
 #define MR 4
 #define NR 3
 #define MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
+
+/* A block's int32 sums into the float32 totals, each row's by its block scale. */
+static inline __attribute__((always_inline)) void
+add_block(float total[MR][NR][8], const __m256i acc[MR][NR], const float *restrict xs, int nkb,
+          int m0, int kb, const int mr, const int nr) {
+    for (int m = 0; m < mr; m++) {
+        const __m256 s = _mm256_set1_ps(xs[(size_t)(m0 + m) * nkb + kb]);
+        for (int n = 0; n < nr; n++)
+            _mm256_store_ps(total[m][n], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][n]), s,
+                                                         _mm256_load_ps(total[m][n])));
+    }
+}
+
+/* The totals times the column scales (+ bias) into out. */
+static inline __attribute__((always_inline)) void
+store_tile(float total[MR][NR][8], const float *restrict ws, const float *restrict bias,
+           float *restrict out, int N, int m0, int b0, const int mr, const int nr) {
+    for (int n = 0; n < nr; n++) {
+        const __m256 c = _mm256_loadu_ps(ws + (size_t)(b0 + n) * 8);
+        const __m256 add =
+            bias ? _mm256_loadu_ps(bias + (size_t)(b0 + n) * 8) : _mm256_setzero_ps();
+        for (int m = 0; m < mr; m++)
+            _mm256_storeu_ps(out + (size_t)(m0 + m) * N + (size_t)(b0 + n) * 8,
+                             _mm256_fmadd_ps(_mm256_load_ps(total[m][n]), c, add));
+    }
+}
 
 /* Rows m0..m0+mr-1 (m0 a multiple of 4) x column blocks b0..b0+nr-1 over all K (mr, nr
  * literals where inlined); the tiles short of 4 x 3 at the edges. */
@@ -122,24 +148,10 @@ tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restri
                     acc[m][n] = _mm256_add_epi32(acc[m][n], _mm256_madd_epi16(pair, w[n]));
             }
         }
-        for (int m = 0; m < mr; m++) {
-            const __m256 s = _mm256_set1_ps(xs[(size_t)(m0 + m) * nkb + kb]);
-            for (int n = 0; n < nr; n++)
-                _mm256_store_ps(total[m][n],
-                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][n]), s,
-                                                _mm256_load_ps(total[m][n])));
-        }
+        add_block(total, acc, xs, nkb, m0, kb, mr, nr);
     }
-    for (int n = 0; n < nr; n++) {
-        const __m256 c = _mm256_loadu_ps(ws + (size_t)(b0 + n) * 8);
-        const __m256 add =
-            bias ? _mm256_loadu_ps(bias + (size_t)(b0 + n) * 8) : _mm256_setzero_ps();
-        for (int m = 0; m < mr; m++)
-            _mm256_storeu_ps(out + (size_t)(m0 + m) * N + (size_t)(b0 + n) * 8,
-                             _mm256_fmadd_ps(_mm256_load_ps(total[m][n]), c, add));
-    }
+    store_tile(total, ws, bias, out, N, m0, b0, mr, nr);
 }
-
 
 /* The full tile, 4 rows x 3 column blocks, its pair loop in assembly: the 12 accumulators
  * stay in registers (written with intrinsics, gcc spills some of them inside the loop),
@@ -149,7 +161,7 @@ static inline __attribute__((always_inline)) void
 tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *restrict wq,
        const float *restrict ws, const float *restrict bias, float *restrict out, int K, int N,
        int nkb, int m0, int b0) {
-    float total[4][3][8] __attribute__((aligned(32)));
+    float total[MR][NR][8] __attribute__((aligned(32)));
     memset(total, 0, sizeof(total));
     const size_t wstride = (size_t)K * 8;
     for (int kb = 0; kb < nkb; kb++) {
@@ -201,23 +213,11 @@ tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *rest
               [x] "+r"(x0), [w] "+r"(w0)
             : [xend] "r"(xend), [ws] "r"(ws2)
             : "ymm12", "ymm13", "ymm14", "ymm15", "memory", "cc");
-        const __m256i acc[4][3] = {
+        const __m256i acc[MR][NR] = {
             {a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
-        for (int m = 0; m < 4; m++) {
-            const __m256 s = _mm256_set1_ps(xs[(size_t)(m0 + m) * nkb + kb]);
-            for (int c = 0; c < 3; c++)
-                _mm256_store_ps(total[m][c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][c]), s,
-                                                             _mm256_load_ps(total[m][c])));
-        }
+        add_block(total, acc, xs, nkb, m0, kb, MR, NR);
     }
-    for (int c = 0; c < 3; c++) {
-        const __m256 sc = _mm256_loadu_ps(ws + (size_t)(b0 + c) * 8);
-        const __m256 add =
-            bias ? _mm256_loadu_ps(bias + (size_t)(b0 + c) * 8) : _mm256_setzero_ps();
-        for (int m = 0; m < 4; m++)
-            _mm256_storeu_ps(out + (size_t)(m0 + m) * N + (size_t)(b0 + c) * 8,
-                             _mm256_fmadd_ps(_mm256_load_ps(total[m][c]), sc, add));
-    }
+    store_tile(total, ws, bias, out, N, m0, b0, MR, NR);
 }
 
 #define TILE(MV, NV) tile(xq, xs, wq, ws, bias, out, K, N, nkb, m, b, MV, NV)
