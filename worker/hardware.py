@@ -6,8 +6,8 @@ multiplies it natively (AVX-512 BF16 or AMX; on such a CPU torch's bf16 matmul r
 that emulates bf16 ran the engine ~0.6x as fast as float32). Int8 linear layers
 (worker.model.quant) would be next where the CPU has integer dot products, but they
 miss the accuracy bar (`INT8_AGREEMENT`), so auto leaves them to `--dtype int8`.
-Where auto chose float32 on a CPU whose widest vectors are AVX2, the linear layers
-compute as 16-bit integer products (`choose_int16_linear`). The decision functions take
+Where auto chose float32 on a CPU whose widest vectors are AVX2, or one with AVX-512
+VNNI, the linear layers compute as 16-bit integer products (`choose_int16_linear`). The decision functions take
 the facts as arguments, so tests can ask about any machine.
 """
 
@@ -101,8 +101,10 @@ def choose_int16_linear(
     layers that auto chose (an explicit float32 stays exact: the reference the others are
     held to) on a CPU whose widest vectors are AVX2: there vpmaddwd does twice the products
     of an FMA per instruction, and a decoder layer's matmuls took 0.44-0.71x the time of
-    float32 through oneDNN at 1-512 rows (AMD EPYC Zen 3, 2 threads). With AVX-512 the
-    float32 FMAs are twice as wide and the AVX2 kernel is not measured against them."""
+    float32 through oneDNN at 1-512 rows (AMD EPYC Zen 3, 2 threads); and on one with
+    AVX-512 VNNI, whose vpdpwssd does twice the products of a 512-bit FMA (the library is
+    then built with that kernel). With AVX-512 but no VNNI the float32 FMAs are as wide as
+    the integer products and the AVX2 kernel is not measured against them."""
     if requested == "int16":
         if linear_dtype != "float32":
             raise ValueError(
@@ -118,7 +120,13 @@ def choose_int16_linear(
         return DtypeChoice("int16", "int16 set explicitly")
     if requested != "auto" or linear_dtype != "float32" or not built:
         return None
-    if not auto_dtype or "avx512f" in cpu_flags or "avx2" not in cpu_flags:
+    if not auto_dtype or "avx2" not in cpu_flags:
+        return None
+    if "avx512_vnni" in cpu_flags:
+        return DtypeChoice(
+            "int16", "auto: float32 layers chosen by auto on a CPU with AVX-512 VNNI"
+        )
+    if "avx512f" in cpu_flags:
         return None
     return DtypeChoice(
         "int16", "auto: float32 layers chosen by auto on a CPU with AVX2 and no AVX-512"

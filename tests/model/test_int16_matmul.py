@@ -1,7 +1,7 @@
-"""Float32 linear layers as 16-bit integer products (kernels/int16_matmul.c): the layout,
-the kernel against the products of the rounded operands it claims to compute, its error
-against float64 next to bfloat16's, no overflow at the extremes, refusals, and which
-path a Linear takes."""
+"""Float32 linear layers as 16-bit integer products (kernels/int16_matmul.c, or
+int16_matmul_vnni.c where the CPU has AVX-512 VNNI): the layout, the kernel against the
+products of the rounded operands it claims to compute, its error against float64 next to
+bfloat16's, no overflow at the extremes, refusals, and which path a Linear takes."""
 
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ X_MAX = 4095  # the kernel's |xq| (13-bit inputs)
 def ops() -> NativeKernels:
     loaded = load_native()
     assert loaded.kernels is not None, loaded.reason
-    # every CPU of this machine kind has AVX2 and FMA
-    assert loaded.kernels.int16_built == ({"avx2", "fma"} <= read_cpu_flags())
+    # every CPU of this machine kind has AVX2 and FMA; those with AVX-512 VNNI get its build
+    flags = read_cpu_flags()
+    assert loaded.kernels.int16_built == ({"avx2", "fma"} <= flags)
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    assert loaded.kernels.int16_lanes == (16 if vnni else 8 if loaded.kernels.int16_built else 0)
     return loaded.kernels
 
 
@@ -53,45 +56,51 @@ def _rounded_inputs(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rounded_weight(w: torch.Tensor) -> torch.Tensor:
-    iw = int16_layout(w)
+    iw = int16_layout(w)  # the rounding does not depend on the layout's lanes
     N, K = w.shape
     q = iw.wq.permute(0, 2, 1, 3).reshape(N, K)  # back to [N, K]
     return q.double() * iw.scale.double()[:, None]
 
 
-def test_int16_layout_puts_8_columns_in_the_lanes() -> None:
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_int16_layout_puts_a_block_of_columns_in_the_lanes(lanes: int) -> None:
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(16, 6, generator=g)
-    iw = int16_layout(w)
-    assert iw.wq.shape == (2, 3, 8, 2) and iw.wq.dtype == torch.int16 and iw.wq.is_contiguous()
-    assert iw.scale.shape == (16,) and iw.out_features == 16 and iw.in_features == 6
+    w = torch.randn(32, 6, generator=g)
+    iw = int16_layout(w, lanes)
+    blocks = 32 // lanes
+    assert iw.wq.shape == (blocks, 3, lanes, 2) and iw.lanes == lanes
+    assert iw.wq.dtype == torch.int16 and iw.wq.is_contiguous()
+    assert iw.scale.shape == (32,) and iw.out_features == 32 and iw.in_features == 6
     q = torch.round(w / iw.scale[:, None]).to(torch.int16)
-    # wq[b][p][j][e] = round(W[8 b + j][2 p + e] / scale[8 b + j])
-    assert iw.wq[1, 2, 5, 1] == q[8 + 5, 2 * 2 + 1]
-    assert iw.wq[0, 1, 7, 0] == q[7, 2]
+    # wq[b][p][j][e] = round(W[L b + j][2 p + e] / scale[L b + j])
+    assert iw.wq[1, 2, 5, 1] == q[lanes + 5, 2 * 2 + 1]
+    assert iw.wq[blocks - 1, 1, lanes - 1, 0] == q[31, 2]
     # each column's largest weight takes the full range; rounding within half a step
-    assert torch.equal(iw.wq.abs().amax(dim=(1, 3)).flatten(), torch.full((16,), INT16_WEIGHT_MAX))
+    assert torch.equal(iw.wq.abs().amax(dim=(1, 3)).flatten(), torch.full((32,), INT16_WEIGHT_MAX))
     err = (_rounded_weight(w) - w.double()).abs()
     assert bool((err <= iw.scale.double()[:, None] * 0.5 + 1e-12).all())
-    with pytest.raises(ValueError, match="N % 8 == 0, even K"):
-        int16_layout(torch.zeros(12, 6))
+    with pytest.raises(ValueError, match=f"N % {lanes} == 0, even K"):
+        int16_layout(torch.zeros(lanes + 4, 6), lanes)
     with pytest.raises(ValueError, match="float32"):
-        int16_layout(torch.zeros(16, 6, dtype=torch.bfloat16))
+        int16_layout(torch.zeros(32, 6, dtype=torch.bfloat16), lanes)
+    with pytest.raises(ValueError, match="blocks of 8 or 16 columns, not 4"):
+        int16_layout(w, 4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13, 64, 130])
 @pytest.mark.parametrize(
-    ("k", "n"), [(576, 960), (1536, 576), (66, 24), (2, 8), (130, 16), (64, 40)]
+    ("k", "n"), [(576, 960), (1536, 576), (66, 48), (2, 16), (130, 80), (64, 32)]
 )
 def test_linear_i16_computes_the_rounded_operands_products(
     ops: NativeKernels, rows: int, k: int, n: int
 ) -> None:
-    """Row counts off the 4-row tile and past the 64-row chunk; column blocks in whole
-    3-block tiles and off them (1 and 2 left); inputs off the 64-input block."""
+    """Row counts off the tiles (4 rows in the AVX2 build, 8 in the VNNI one) and past the
+    64-row chunk; column blocks in whole 3-block tiles and off them (1 and 2 left, in
+    blocks of 8 or 16); inputs off the 64-input block."""
     g = torch.Generator().manual_seed(rows * 31 + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(rows, k, generator=g)
-    got = ops.linear_i16(x, int16_layout(w))
+    got = ops.linear_i16(x, int16_layout(w, ops.int16_lanes))
     assert got.shape == (rows, n) and got.dtype == torch.float32
     # exact integer sums, float32 only across blocks and in the scales; an input next to
     # the midpoint of two steps may round the other way in the kernel (its reciprocal of
@@ -102,12 +111,13 @@ def test_linear_i16_computes_the_rounded_operands_products(
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops: NativeKernels) -> None:
     """Batch invariance: a sequence's logits must not move with the batch it decodes in
-    (tiles of 4 rows, chunks of 64, the rounding run on several threads past 32K inputs)."""
+    (tiles of 4 or 8 rows, chunks of 64, the rounding run on several threads past 32K
+    inputs)."""
     g = torch.Generator().manual_seed(17)
-    w = int16_layout(torch.randn(576, 1536, generator=g) * 0.05)
+    w = int16_layout(torch.randn(576, 1536, generator=g) * 0.05, ops.int16_lanes)
     x = torch.randn(130, 1536, generator=g)
     whole = ops.linear_i16(x, w)
-    for lo, hi in ((0, 1), (61, 66), (127, 130), (5, 130)):
+    for lo, hi in ((0, 1), (61, 66), (127, 130), (5, 130), (3, 12)):
         assert torch.equal(ops.linear_i16(x[lo:hi].contiguous(), w), whole[lo:hi])
 
 
@@ -120,7 +130,7 @@ def test_linear_i16_error_is_below_bfloat16s(ops: NativeKernels) -> None:
     x = torch.randn(32, 576, generator=g)
     x[:, 7] *= 60.0  # one block's step widens; the others keep theirs
     exact = x.double() @ w.double().T
-    got = ops.linear_i16(x, int16_layout(w)).double()
+    got = ops.linear_i16(x, int16_layout(w, ops.int16_lanes)).double()
     bf16 = (x.bfloat16().float() @ w.bfloat16().float().T).double()
 
     def rel(t: torch.Tensor) -> float:
@@ -137,10 +147,11 @@ def test_linear_i16_does_not_overflow_at_the_extremes(ops: NativeKernels) -> Non
     w = torch.ones(n, k)
     w[1::2] = -1.0  # odd columns: the most negative sums
     x = torch.full((3, k), 1e3)
-    got = ops.linear_i16(x, int16_layout(w))
+    iw = int16_layout(w, ops.int16_lanes)
+    got = ops.linear_i16(x, iw)
     want = (x.double() @ w.double().T).float()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
-    zero = ops.linear_i16(torch.zeros(2, k), int16_layout(w))
+    zero = ops.linear_i16(torch.zeros(2, k), iw)
     assert torch.count_nonzero(zero) == 0
 
 
@@ -149,7 +160,7 @@ def test_a_nan_or_infinity_reaches_its_rows_outputs(ops: NativeKernels) -> None:
     NaN, not a silently finite result (the other rows keep theirs); zeros and values
     far below float32's normal range round to finite results."""
     g = torch.Generator().manual_seed(13)
-    w = int16_layout(torch.randn(16, 128, generator=g))
+    w = int16_layout(torch.randn(16, 128, generator=g), ops.int16_lanes)
     x = torch.randn(4, 128, generator=g)
     x[1, 70], x[2, 3] = float("nan"), float("inf")
     x[3] = 1e-40  # denormals: the block's step is held at float32's smallest normal
@@ -161,14 +172,15 @@ def test_a_nan_or_infinity_reaches_its_rows_outputs(ops: NativeKernels) -> None:
 
 def test_linear_i16_adds_the_bias(ops: NativeKernels) -> None:
     g = torch.Generator().manual_seed(5)
-    w, b = torch.randn(24, 64, generator=g), torch.randn(24, generator=g)
+    w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     x = torch.randn(5, 64, generator=g)
-    iw = int16_layout(w)
+    iw = int16_layout(w, ops.int16_lanes)
     torch.testing.assert_close(ops.linear_i16(x, iw, b), ops.linear_i16(x, iw) + b)
 
 
 def test_linear_i16_refuses_what_it_cannot_read(ops: NativeKernels) -> None:
-    iw = int16_layout(torch.randn(16, 64))
+    w = torch.randn(16, 64)
+    iw = int16_layout(w, ops.int16_lanes)
     with pytest.raises(TypeError, match="contiguous"):
         ops.linear_i16(torch.randn(3, 64).bfloat16(), iw)
     with pytest.raises(TypeError, match="contiguous"):
@@ -177,6 +189,9 @@ def test_linear_i16_refuses_what_it_cannot_read(ops: NativeKernels) -> None:
         ops.linear_i16(torch.randn(3, 32), iw)
     with pytest.raises(ValueError, match="a bias of 16"):
         ops.linear_i16(torch.randn(3, 64), iw, torch.zeros(8))
+    other = 24 - ops.int16_lanes  # the other build's layout
+    with pytest.raises(ValueError, match=f"an int16 layout \\[{16 // ops.int16_lanes}, 32"):
+        ops.linear_i16(torch.randn(3, 64), int16_layout(w, other))
 
 
 def test_a_linear_takes_int16_products_only_with_the_c_ops(ops: NativeKernels) -> None:
@@ -185,7 +200,7 @@ def test_a_linear_takes_int16_products_only_with_the_c_ops(ops: NativeKernels) -
     lin.weight = torch.nn.Parameter(torch.randn(32, 64, generator=g), requires_grad=False)
     x = torch.randn(6, 64, generator=g)
     exact = torch.nn.functional.linear(x, lin.weight)
-    lin.int16_weight = int16_layout(lin.weight)
+    lin.int16_weight = int16_layout(lin.weight, ops.int16_lanes)
     assert torch.equal(lin.matmul(x), exact)  # no C ops: float32 as it was
     got = lin.matmul(x, ops=ops)
     assert not torch.equal(got, exact)  # rounded operands...
@@ -197,10 +212,11 @@ def test_attach_int16_weights_unpacks_and_detaches(tiny_model_dir) -> None:
     model = loaded.model
     pack_linear_layers(model, "auto", "cpu")
     decoder = [m for m in model.layers.modules() if isinstance(m, Linear)]
-    said = attach_int16_weights(model, True)
+    said = attach_int16_weights(model, 16)
     assert "16-bit integer products" in said and f"{len(decoder)} float32 weights" in said
     assert all(m.int16_weight is not None and not m.packed for m in decoder)
-    assert attach_int16_weights(model, False) == ""
+    assert all(m.int16_weight.lanes == 16 for m in decoder if m.int16_weight is not None)
+    assert attach_int16_weights(model, 0) == ""
     assert all(m.int16_weight is None for m in decoder)
 
 
@@ -235,15 +251,15 @@ def test_a_model_with_int16_linear_layers_keeps_float32s_logits(tiny_model_dir) 
 
 def test_auto_takes_int16_only_for_float32_it_chose(tiny_model_dir) -> None:
     """A float32 model loaded as auto's choice computes as int16 products on a CPU whose
-    widest vectors are AVX2 (nowhere else); the same model loaded as float32 asked for
-    stays float32 on every CPU."""
+    widest vectors are AVX2 or one with AVX-512 VNNI (nowhere else); the same model loaded
+    as float32 asked for stays float32 on every CPU."""
     path = str(tiny_model_dir("llama3"))
     flags = read_cpu_flags()
-    avx2_widest = "avx2" in flags and "avx512f" not in flags
+    takes = "avx2" in flags and ("avx512f" not in flags or "avx512_vnni" in flags)
     cfg = EngineConfig(model=path, num_kv_blocks=16, attention="native")
     loaded = load_model(path, dtype="float32")
     chosen = ModelRunner(cfg, dataclasses.replace(loaded, auto_dtype=True))
-    assert ("16-bit integer products" in chosen.info.linear) == avx2_widest, chosen.info.linear
+    assert ("16-bit integer products" in chosen.info.linear) == takes, chosen.info.linear
     asked = ModelRunner(cfg, loaded)  # auto_dtype False: float32 was asked for
     assert "16-bit integer products" not in asked.info.linear
     assert all(m.int16_weight is None for m in loaded.model.modules() if isinstance(m, Linear))

@@ -180,15 +180,19 @@ def test_the_output_projection_narrows_beside_auto_float32_only() -> None:
     assert choose_output_head("auto", "float16", "cuda").dtype == "float16"
 
 
-def test_int16_linear_layers_where_auto_chose_float32_on_an_avx2_cpu() -> None:
+def test_int16_linear_layers_where_auto_chose_float32_on_an_avx2_or_vnni_cpu() -> None:
     """Auto computes float32 layers as int16 products on a CPU whose widest vectors are
-    AVX2, where it chose float32 itself and the kernel is there; nowhere else. An
-    explicit int16 is granted or refused with the reason."""
+    AVX2 or one with AVX-512 VNNI, where it chose float32 itself and the kernel is there;
+    nowhere else. An explicit int16 is granted or refused with the reason."""
     auto = choose_int16_linear("auto", True, "float32", EPYC_AVX2_FLAGS, built=True)
     assert auto is not None and auto.dtype == "int16" and "AVX2" in auto.reason
+    vnni = choose_int16_linear("auto", True, "float32", XEON_NO_BF16_FLAGS, built=True)
+    assert vnni is not None and "AVX-512 VNNI" in vnni.reason
+    skylake = frozenset(["fma", "avx2", "avx512f", "avx512bw"])  # AVX-512 without VNNI
     for linear, auto_dtype, flags, built in (
         ("auto", False, EPYC_AVX2_FLAGS, True),  # float32 asked for: exact
-        ("auto", True, XEON_NO_BF16_FLAGS, True),  # AVX-512 FMAs: not measured
+        ("auto", False, XEON_NO_BF16_FLAGS, True),
+        ("auto", True, skylake, True),  # AVX-512 FMAs as wide as the int16 products
         ("auto", True, EPYC_AVX2_FLAGS, False),  # no kernel, C layer ops or fitting layers
         ("onednn", True, EPYC_AVX2_FLAGS, True),  # another backend asked for
     ):

@@ -139,11 +139,12 @@ class ModelRunner:
             loaded.auto_dtype,
             dtype_name(loaded),
             read_cpu_flags(),
-            built=step_ops is not None and step_ops.int16_built and int16_fits(self.model),
+            built=step_ops is not None and int16_fits(self.model, step_ops.int16_lanes),
         )
         packing = "torch" if int16 is not None else config.linear
         linear = pack_linear_layers(self.model, packing, self.device.type)
-        done = attach_int16_weights(self.model, int16 is not None)
+        lanes = step_ops.int16_lanes if int16 is not None and step_ops is not None else 0
+        done = attach_int16_weights(self.model, lanes)
         if int16 is not None:
             linear = f"{done} ({int16.reason})"
         # decode steps of few sequences: the linear layers through the C kernel for few

@@ -31,9 +31,17 @@ from worker.hardware import read_cpu_flags
 
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
-    for name in ("paged_decode.c", "layer_ops.c", "small_matmul.c", "int16_matmul.c")
+    for name in (
+        "paged_decode.c",
+        "layer_ops.c",
+        "small_matmul.c",
+        "int16_matmul.c",
+        "int16_matmul_vnni.c",
+    )
 )
-HEADERS = (Path(__file__).with_name("kernels") / "bf16.h",)  # included by SOURCES
+HEADERS = tuple(  # included by SOURCES
+    Path(__file__).with_name("kernels") / name for name in ("bf16.h", "int16.h")
+)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
@@ -50,9 +58,10 @@ INT16_BLOCK = 64
 @dataclass(frozen=True)
 class Int16Weight:
     """A float32 linear layer's weight [N, K] rounded for kernels/int16_matmul.c:
-    W ~= wq * scale[:, None], wq laid out [N / 8, K / 2, 8, 2] (`int16_layout`)."""
+    W ~= wq * scale[:, None], wq laid out [N / L, K / 2, L, 2] in column blocks of L lanes
+    (`int16_layout`): 8 for the AVX2 build, 16 for the AVX-512 VNNI one."""
 
-    wq: torch.Tensor  # [N / 8, K / 2, 8, 2] int16, |wq| <= INT16_WEIGHT_MAX
+    wq: torch.Tensor  # [N / L, K / 2, L, 2] int16, |wq| <= INT16_WEIGHT_MAX
     scale: torch.Tensor  # [N] float32
 
     @property
@@ -62,6 +71,10 @@ class Int16Weight:
     @property
     def in_features(self) -> int:
         return self.wq.shape[1] * 2
+
+    @property
+    def lanes(self) -> int:
+        return self.wq.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -249,9 +262,16 @@ class NativeKernels:
         return int(self.lib.kvflow_matmul_rows_max())
 
     @functools.cached_property
+    def int16_lanes(self) -> int:
+        """The column blocks of the weight layout `linear_i16` reads (`int16_layout`): 16
+        where the library was built for a CPU with AVX-512 VNNI, 8 for one with AVX2 and
+        FMA, else 0 (the kernel is not there)."""
+        return int(self.lib.kvflow_linear_i16_lanes())
+
+    @property
     def int16_built(self) -> bool:
-        """Whether `linear_i16` is built (a CPU with AVX2 and FMA)."""
-        return bool(self.lib.kvflow_linear_i16_built())
+        """Whether `linear_i16` is built."""
+        return self.int16_lanes > 0
 
     def linear_i16(
         self,
@@ -261,20 +281,21 @@ class NativeKernels:
     ) -> torch.Tensor:
         """x @ W.T (+ bias) -> [M, N] float32 as 16-bit integer products
         (kernels/int16_matmul.c): x rounded per row and block of INT16_BLOCK inputs, W as
-        `int16_layout` rounded it."""
+        `int16_layout` rounded it (in this build's column blocks, `int16_lanes`)."""
         _check_rows(x, float32_only=True)
         M, K = x.shape
         N = weight.out_features
         _expect(weight.in_features == K, f"rows of {weight.in_features} inputs", x)
-        wq, scale = weight.wq, weight.scale
+        wq, scale, L = weight.wq, weight.scale, self.int16_lanes
+        _expect(L > 0, "a library built with the int16 kernel (AVX2 and FMA)", L)
         _expect(
-            wq.dtype == torch.int16 and wq.is_contiguous() and wq.shape == (N // 8, K // 2, 8, 2),
-            f"an int16 layout [{N // 8}, {K // 2}, 8, 2]",
+            wq.dtype == torch.int16 and wq.is_contiguous() and wq.shape == (N // L, K // 2, L, 2),
+            f"an int16 layout [{N // L}, {K // 2}, {L}, 2]",
             wq,
         )
         _expect(
-            N % 8 == 0 and scale.dtype == torch.float32 and scale.is_contiguous(),
-            "contiguous float32 scales of a multiple of 8 columns",
+            N % L == 0 and scale.dtype == torch.float32 and scale.is_contiguous(),
+            f"contiguous float32 scales of a multiple of {L} columns",
             scale,
         )
         if bias is not None:
@@ -331,18 +352,22 @@ class NativeKernels:
         return out
 
 
-def int16_layout(weight: torch.Tensor) -> Int16Weight:
-    """[N, K] float32 (N a multiple of 8, K even) -> its Int16Weight: each output column
-    rounded to the nearest of 2 * INT16_WEIGHT_MAX + 1 steps spanning its largest weight."""
+def int16_layout(weight: torch.Tensor, lanes: int = 8) -> Int16Weight:
+    """[N, K] float32 (N a multiple of `lanes`, K even) -> its Int16Weight in column blocks
+    of `lanes` (`NativeKernels.int16_lanes`): each output column rounded to the nearest of
+    2 * INT16_WEIGHT_MAX + 1 steps spanning its largest weight."""
     N, K = weight.shape
-    if weight.dtype != torch.float32 or N % 8 != 0 or K % 2 != 0:
+    if lanes not in (8, 16):
+        raise ValueError(f"int16 weights are laid out in blocks of 8 or 16 columns, not {lanes}")
+    if weight.dtype != torch.float32 or N % lanes != 0 or K % 2 != 0:
         raise ValueError(
-            f"int16 weights need [N % 8 == 0, even K] float32, got {weight.dtype} {tuple(weight.shape)}"
+            f"int16 weights need [N % {lanes} == 0, even K] float32, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
         )
     w = weight.detach()
     scale = (w.abs().amax(dim=1) / INT16_WEIGHT_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     wq = torch.round(w / scale[:, None]).to(torch.int16)  # [N, K]
-    wq = wq.view(N // 8, 8, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    wq = wq.view(N // lanes, lanes, K // 2, 2).permute(0, 2, 1, 3).contiguous()
     return Int16Weight(wq, scale.contiguous())
 
 
@@ -447,8 +472,8 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_matmul_rows_max.argtypes = []
     lib.kvflow_linear_i16.restype = ctypes.c_int
     lib.kvflow_linear_i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
-    lib.kvflow_linear_i16_built.restype = ctypes.c_int
-    lib.kvflow_linear_i16_built.argtypes = []
+    lib.kvflow_linear_i16_lanes.restype = ctypes.c_int
+    lib.kvflow_linear_i16_lanes.argtypes = []
     return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
 
 

@@ -96,35 +96,40 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     )
 
 
-def int16_fits(model: LlamaForCausalLM) -> bool:
-    """Whether every Linear of the decoder is one the int16 kernel takes: float32, out a
-    multiple of 8, in even (all or none: a layer's rows are padded alike for its matmuls)."""
+def int16_fits(model: LlamaForCausalLM, lanes: int) -> bool:
+    """Whether every Linear of the decoder is one the int16 kernel built with column blocks
+    of `lanes` takes: float32, out a multiple of `lanes`, in even (all or none: a layer's
+    rows are padded alike for its matmuls)."""
     decoder = _decoder_linears(model)
-    return bool(decoder) and all(
-        m.weight.dtype == torch.float32
-        and m.weight.shape[0] % 8 == 0
-        and m.weight.shape[1] % 2 == 0
-        for m in decoder
+    return (
+        lanes > 0
+        and bool(decoder)
+        and all(
+            m.weight.dtype == torch.float32
+            and m.weight.shape[0] % lanes == 0
+            and m.weight.shape[1] % 2 == 0
+            for m in decoder
+        )
     )
 
 
-def attach_int16_weights(model: LlamaForCausalLM, use: bool) -> str:
-    """With `use` (where `int16_fits`), give each of the decoder's Linears its weight
+def attach_int16_weights(model: LlamaForCausalLM, lanes: int) -> str:
+    """With `lanes` (> 0, where `int16_fits`), give each of the decoder's Linears its weight
     rounded for 16-bit integer products (`Linear.matmul`, worker/model/kernels/
-    int16_matmul.c), its float32 weight unpacked (the kernel takes any row count: no
-    padding); else drop any such copies. Returns what was done, for the start-up log.
+    int16_matmul.c) in column blocks of `lanes`, its float32 weight unpacked (the kernel
+    takes any row count: no padding); with 0, drop any such copies. Returns what was done, for the start-up log.
     The float32 weights stay: the torch path (no C layer ops) still computes with them."""
     decoder = _decoder_linears(model)
     for m in decoder:
         m.int16_weight = None
-    if not use:
+    if not lanes:
         return ""
-    if not int16_fits(model):
-        raise ValueError("int16 weights need float32 layers of N % 8 == 0 and even K")
+    if not int16_fits(model, lanes):
+        raise ValueError(f"int16 weights need float32 layers of N % {lanes} == 0 and even K")
     size = 0
     for m in decoder:
         m.unpack()
-        m.int16_weight = int16_layout(m.weight)
+        m.int16_weight = int16_layout(m.weight, lanes)
         size += m.int16_weight.nbytes
     return (
         f"{len(decoder)} float32 weights as 16-bit integer products in C (14-bit weights per "

@@ -34,6 +34,10 @@
  * float32 through oneDNN with packed weights at 1 / 8 / 16 / 64 / 512 rows (217 GOP/s at
  * 512 rows against 149 GFLOP/s); the error against float64 a fifth of bfloat16's
  * (relative 5e-4 against 2.7e-3 over random inputs with an outlier column).
+ *
+ * On a CPU with AVX-512 VNNI the kernel is int16_matmul_vnni.c's (the same rounding, here
+ * and in int16.h, and the same sums; column blocks of 16): this file then builds only
+ * the rounding of the inputs.
  */
 #include <float.h>
 #include <math.h>
@@ -41,9 +45,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KB 64      /* inputs per block of int32 sums */
-#define W_MAX 8191 /* |wq|: 14-bit weights */
-#define X_MAX 4095 /* |xq|: 13-bit inputs; KB * W_MAX * X_MAX = 2,146,697,280 < 2^31 */
+#include "int16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -53,7 +55,7 @@
  * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M unwritten and
  * never read: the edge tiles read their own rows only), so one tile's four broadcasts of
  * a step are one 16-byte run. */
-static void quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
+void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
     const int nkb = (K + KB - 1) / KB, P = K / 2;
     uint32_t *xp = (uint32_t *)xq;
 #pragma omp parallel for schedule(static) if ((long)M * K > 32768)
@@ -91,6 +93,9 @@ static void quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) 
     }
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !I16_VNNI
 #define MR 4
 #define NR 3
 #define MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
@@ -235,7 +240,7 @@ tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *rest
 int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
                       const float *ws, const float *bias, float *out, int M, int N, int K) {
     if (M < 0 || N % 8 != 0 || K < 2 || K % 2 != 0) return 1;
-    quantize_rows(x, xq, xs, M, K);
+    kvflow_i16_quantize_rows(x, xq, xs, M, K);
     const int nkb = (K + KB - 1) / KB, blocks = N / 8;
     const int panels = (blocks + NR - 1) / NR;
 #pragma omp parallel
@@ -257,9 +262,9 @@ int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
     return 0;
 }
 
-/* Whether kvflow_linear_i16 is built for this CPU. */
-int kvflow_linear_i16_built(void) { return 1; }
-#else
+/* The columns of a weight's block in the layout this build reads: 8 (0: not built). */
+int kvflow_linear_i16_lanes(void) { return 8; }
+#elif !I16_VNNI
 int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
                       const float *ws, const float *bias, float *out, int M, int N, int K) {
     (void)x, (void)xq, (void)xs, (void)wq, (void)ws, (void)bias, (void)out, (void)M, (void)N,
@@ -267,5 +272,5 @@ int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
     return 2; /* not built for this CPU (it needs AVX2 and FMA) */
 }
 
-int kvflow_linear_i16_built(void) { return 0; }
+int kvflow_linear_i16_lanes(void) { return 0; }
 #endif

@@ -1,0 +1,21 @@
+/* Shared by the two builds of the int16 matmul (int16_matmul.c: AVX2, 8 int32 lanes a
+ * vector; int16_matmul_vnni.c: AVX-512 VNNI, 16): the bounds that keep a block's int32
+ * sums exact and the rounding of the inputs, so both compute the same sums. */
+#ifndef KVFLOW_INT16_H
+#define KVFLOW_INT16_H
+#include <stdint.h>
+
+#define KB 64      /* inputs per block of int32 sums */
+#define W_MAX 8191 /* |wq|: 14-bit weights */
+#define X_MAX 4095 /* |xq|: 13-bit inputs; KB * W_MAX * X_MAX = 2,146,697,280 < 2^31 */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I16_VNNI 1 /* int16_matmul_vnni.c is the build's kernel */
+#else
+#define I16_VNNI 0
+#endif
+
+/* x [M, K] float32 -> xq [ceil(M / 4)][K / 2][4] pairs of int16 and xs [M, ceil(K / KB)]
+ * float32 (int16_matmul.c; built where AVX2 and FMA are). */
+void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K);
+#endif
