@@ -50,49 +50,117 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+/* A block's step from the bits of its largest |x| (`top`): max |x| / X_MAX, at least
+ * FLT_MIN (a block of zeros or denormals keeps a finite inverse); NaN where the block
+ * holds a NaN or infinity, so that the row's outputs are NaN. */
+static inline float block_scale(uint32_t top) {
+    float amax, scale;
+    memcpy(&amax, &top, sizeof amax);
+    if (top >= 0x7f800000u) {
+        const uint32_t nan = 0x7fc00000u;
+        memcpy(&scale, &nan, sizeof scale);
+    } else {
+        scale = fmaxf(amax * (1.0f / X_MAX), FLT_MIN);
+    }
+    return scale;
+}
+
+/* One row's block of n inputs (the last block of a row whose K is not a multiple of KB)
+ * into its slots of dst (pair p at dst[4 p]). */
+static void quantize_tail(const float *xr, uint32_t *dst, float *scale_out, int n) {
+    uint32_t top = 0; /* the largest |x| by its bits: NaN and infinity above every finite */
+    for (int k = 0; k < n; k++) {
+        uint32_t bits;
+        memcpy(&bits, xr + k, sizeof bits);
+        bits &= 0x7fffffffu;
+        top = bits > top ? bits : top;
+    }
+    const float scale = block_scale(top), inv = 1.0f / scale;
+    for (int k = 0; k < n; k += 2) {
+        const uint16_t lo = (uint16_t)(int16_t)lrintf(xr[k] * inv);
+        const uint16_t hi = (uint16_t)(int16_t)lrintf(xr[k + 1] * inv);
+        dst[(size_t)(k / 2) * 4] = lo | (uint32_t)hi << 16;
+    }
+    *scale_out = scale;
+}
+
+/* One row's full block of KB inputs -> its 32 pairs of int16 as 4 vectors of 8 (pair 8 j
+ * + i in lane i of q[j]), rounded to nearest even as lrintf rounds; its step to
+ * *scale_out. */
+static inline void quantize_block(const float *xr, __m256i q[4], float *scale_out) {
+    __m256 v[8];
+    __m256i top = _mm256_setzero_si256();
+    const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff);
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm256_loadu_ps(xr + 8 * i);
+        /* |x| compared by its bits (as unsigned): NaN and infinity above every finite */
+        top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(v[i]), abs_bits));
+    }
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
+    const float scale = block_scale((uint32_t)_mm_cvtsi128_si32(h));
+    const __m256 inv = _mm256_set1_ps(1.0f / scale);
+    for (int j = 0; j < 4; j++) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * j], inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * j + 1], inv));
+        /* packs interleaves 128-bit halves (a0-3 b0-3 a4-7 b4-7): put them back in order */
+        q[j] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+    }
+    *scale_out = scale;
+}
+
 /* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). The
  * rounded rows are written four at a time, pair by pair, as the tiles read them:
- * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M unwritten and
- * never read: the edge tiles read their own rows only), so one tile's four broadcasts of
- * a step are one 16-byte run. */
+ * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M zeros, or
+ * unwritten in a block short of KB: never read, the edge tiles read their own rows
+ * only), so one tile's four broadcasts of a step are one 16-byte run. A group's full
+ * blocks are rounded in vectors and its four rows' pairs interleaved by a transpose. */
 void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
-    const int nkb = (K + KB - 1) / KB, P = K / 2;
+    const int nkb = (K + KB - 1) / KB, P = K / 2, groups = (M + 3) / 4;
     uint32_t *xp = (uint32_t *)xq;
 #pragma omp parallel for schedule(static) if ((long)M * K > 32768)
-    for (int m = 0; m < M; m++) {
-        uint32_t *dst = xp + (size_t)(m / 4) * P * 4 + m % 4;
+    for (int g = 0; g < groups; g++) {
+        const int rows = M - 4 * g < 4 ? M - 4 * g : 4;
+        uint32_t *dst = xp + (size_t)g * P * 4;
         for (int kb = 0; kb < nkb; kb++) {
-            const float *xr = x + (size_t)m * K + kb * KB;
             const int n = K - kb * KB < KB ? K - kb * KB : KB;
-            /* the largest |x| by its bits: NaN and infinity compare above every finite
-             * value there (-ffast-math lets the compiler assume neither exists) */
-            uint32_t top = 0;
-            for (int k = 0; k < n; k++) {
-                uint32_t bits;
-                memcpy(&bits, xr + k, sizeof bits);
-                bits &= 0x7fffffffu;
-                top = bits > top ? bits : top;
+            if (n < KB) {
+                for (int r = 0; r < rows; r++)
+                    quantize_tail(x + (size_t)(4 * g + r) * K + kb * KB,
+                                  dst + (size_t)kb * (KB / 2) * 4 + r,
+                                  xs + (size_t)(4 * g + r) * nkb + kb, n);
+                continue;
             }
-            float amax, scale;
-            memcpy(&amax, &top, sizeof amax);
-            if (top >= 0x7f800000u) { /* a NaN or infinity: the block's scale is NaN, */
-                const uint32_t nan = 0x7fc00000u; /* so the row's outputs are NaN */
-                memcpy(&scale, &nan, sizeof scale);
-            } else {
-                /* FLT_MIN at least: a block of zeros or denormals keeps a finite inverse */
-                scale = fmaxf(amax * (1.0f / X_MAX), FLT_MIN);
+            __m256i q[4][4]; /* [row][j]: pairs 8 j .. 8 j + 7 of the block */
+            for (int r = 0; r < 4; r++) {
+                if (r < rows)
+                    quantize_block(x + (size_t)(4 * g + r) * K + kb * KB, q[r],
+                                   xs + (size_t)(4 * g + r) * nkb + kb);
+                else
+                    q[r][0] = q[r][1] = q[r][2] = q[r][3] = _mm256_setzero_si256();
             }
-            const float inv = 1.0f / scale;
-            for (int k = 0; k < n; k += 2) {
-                const uint16_t lo = (uint16_t)(int16_t)lrintf(xr[k] * inv);
-                const uint16_t hi = (uint16_t)(int16_t)lrintf(xr[k + 1] * inv);
-                dst[(size_t)(kb * (KB / 2) + k / 2) * 4] = lo | (uint32_t)hi << 16;
+            /* 4 rows x 8 pairs -> pair-major runs of 4 rows: a 4 x 4 transpose of uint32
+             * in each 128-bit half (pairs i and i + 4), then the halves regrouped */
+            uint32_t *out = dst + (size_t)kb * (KB / 2) * 4;
+            for (int j = 0; j < 4; j++) {
+                const __m256i t0 = _mm256_unpacklo_epi32(q[0][j], q[1][j]);
+                const __m256i t1 = _mm256_unpackhi_epi32(q[0][j], q[1][j]);
+                const __m256i t2 = _mm256_unpacklo_epi32(q[2][j], q[3][j]);
+                const __m256i t3 = _mm256_unpackhi_epi32(q[2][j], q[3][j]);
+                const __m256i u0 = _mm256_unpacklo_epi64(t0, t2); /* pairs 0 and 4 */
+                const __m256i u1 = _mm256_unpackhi_epi64(t0, t2); /* 1 and 5 */
+                const __m256i u2 = _mm256_unpacklo_epi64(t1, t3); /* 2 and 6 */
+                const __m256i u3 = _mm256_unpackhi_epi64(t1, t3); /* 3 and 7 */
+                __m256i *o = (__m256i *)(out + (size_t)j * 32);
+                _mm256_storeu_si256(o, _mm256_permute2x128_si256(u0, u1, 0x20));
+                _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
+                _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
+                _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
             }
-            xs[(size_t)m * nkb + kb] = scale;
         }
     }
 }
-
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !I16_VNNI
