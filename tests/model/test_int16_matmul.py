@@ -19,6 +19,7 @@ from worker.model.loader import load_model
 from worker.model.native import (
     INT16_BLOCK,
     INT16_WEIGHT_MAX,
+    Int16Weight,
     NativeKernels,
     int16_layout,
     load_native,
@@ -85,6 +86,15 @@ def test_int16_layout_puts_a_block_of_columns_in_the_lanes(lanes: int) -> None:
         int16_layout(torch.zeros(32, 6, dtype=torch.bfloat16), lanes)
     with pytest.raises(ValueError, match="blocks of 8 or 16 columns, not 4"):
         int16_layout(w, 4)
+    # a weight is checked once, when it is made
+    with pytest.raises(ValueError, match="contiguous int16 with L 8 or 16"):
+        Int16Weight(iw.wq.to(torch.int32), iw.scale)
+    with pytest.raises(ValueError, match="contiguous int16 with L 8 or 16"):
+        Int16Weight(iw.wq[:, :, :4].contiguous(), iw.scale)
+    with pytest.raises(ValueError, match="32 columns needs as many contiguous float32"):
+        Int16Weight(iw.wq, iw.scale[:16])
+    with pytest.raises(ValueError, match="32 columns needs as many contiguous float32"):
+        Int16Weight(iw.wq, iw.scale.double())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13, 64, 130])

@@ -64,6 +64,30 @@ class Int16Weight:
     wq: torch.Tensor  # [N / L, K / 2, L, 2] int16, |wq| <= INT16_WEIGHT_MAX
     scale: torch.Tensor  # [N] float32
 
+    def __post_init__(self) -> None:
+        # checked once here, so that each matmul checks only that its build reads it
+        wq, scale = self.wq, self.scale
+        if not (
+            wq.dtype == torch.int16
+            and wq.is_contiguous()
+            and wq.dim() == 4
+            and wq.shape[2] in (8, 16)
+            and wq.shape[3] == 2
+        ):
+            raise ValueError(
+                f"an int16 weight is [N / L, K / 2, L, 2] contiguous int16 with L 8 or 16, "
+                f"not {wq.dtype} {tuple(wq.shape)}"
+            )
+        if not (
+            scale.dtype == torch.float32
+            and scale.is_contiguous()
+            and scale.shape == (wq.shape[0] * wq.shape[2],)
+        ):
+            raise ValueError(
+                f"an int16 weight of {wq.shape[0] * wq.shape[2]} columns needs as many "
+                f"contiguous float32 scales, not {scale.dtype} {tuple(scale.shape)}"
+            )
+
     @property
     def out_features(self) -> int:
         return self.scale.shape[0]
@@ -284,20 +308,11 @@ class NativeKernels:
         `int16_layout` rounded it (in this build's column blocks, `int16_lanes`)."""
         _check_rows(x, float32_only=True)
         M, K = x.shape
-        N = weight.out_features
-        _expect(weight.in_features == K, f"rows of {weight.in_features} inputs", x)
-        wq, scale, L = weight.wq, weight.scale, self.int16_lanes
-        _expect(L > 0, "a library built with the int16 kernel (AVX2 and FMA)", L)
-        _expect(
-            wq.dtype == torch.int16 and wq.is_contiguous() and wq.shape == (N // L, K // 2, L, 2),
-            f"an int16 layout [{N // L}, {K // 2}, {L}, 2]",
-            wq,
-        )
-        _expect(
-            N % L == 0 and scale.dtype == torch.float32 and scale.is_contiguous(),
-            f"contiguous float32 scales of a multiple of {L} columns",
-            scale,
-        )
+        N, L = weight.out_features, self.int16_lanes
+        if L == 0 or weight.in_features != K or weight.lanes != L:
+            _expect(L > 0, "a library built with the int16 kernel (AVX2 and FMA)", L)
+            _expect(weight.in_features == K, f"rows of {weight.in_features} inputs", x)
+            _expect(False, f"an int16 layout [{N // L}, {K // 2}, {L}, 2]", weight.wq)
         if bias is not None:
             _check_rows(bias, float32_only=True)
             _expect(bias.shape == (N,), f"a bias of {N}", bias)
