@@ -77,10 +77,11 @@ class EngineConfig:
     # (worker.model.packing), "torch" keeps torch's plain matmul, "auto" packs where
     # this torch has oneDNN (CPU only); "int16" computes float32 layers as 16-bit integer
     # products in C, which auto takes for float32 it chose on a CPU with AVX2 and no
-    # AVX-512 (worker.hardware.choose_int16_linear).
+    # AVX-512 or with AVX-512 VNNI (worker.hardware.choose_int16_linear).
     linear: str = "auto"
-    # The KV cache's dtype: "auto" is the activations' (float32 on CPU); "bfloat16" on CPU
-    # holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
+    # The KV cache's dtype: "auto" is bfloat16 on CPU behind bfloat16 or int16 linear
+    # layers where the C kernel reads the cache in place, the activations' elsewhere;
+    # bfloat16 holds twice the blocks in the same memory (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
     # "float32" on the activations, "native" the C decode kernel in place, a query row at

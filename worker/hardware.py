@@ -165,9 +165,11 @@ def choose_kv_dtype(
 ) -> DtypeChoice:
     """The KV cache's dtype. On CUDA the model's. On CPU a bfloat16 cache holds half the
     bytes per block, so twice the blocks in the same memory, each value rounded as it is
-    stored and widened to float32 where it is read; "auto" takes it where the CPU
-    multiplies bfloat16 natively (the linear layers are bfloat16) and decode attention
-    reads the cache in place with the C kernel, float32 (the activations') elsewhere.
+    stored and widened to float32 where it is read; "auto" takes it where the linear
+    layers are narrower than float32 (`linear_dtype` bfloat16, where the CPU multiplies
+    bfloat16 natively, or "int16", float32 layers as 16-bit integer products) and decode
+    attention reads the cache in place with the C kernel, float32 (the activations')
+    elsewhere.
     Measured side by side, 64 sequences of 100-450 tokens: the kernel took 0.52-0.57x
     float32's time on a bfloat16 cache on an AMD EPYC (it is bound by reading the cache
     there) and about the same time on an Intel Xeon with AMX; the default model's greedy
@@ -175,7 +177,13 @@ def choose_kv_dtype(
     float32 layers (an AMD EPYC with AVX2 only) it is not taken: there a batch-64 decode
     step's attention took 48-50 ms against float32's 59-71, yet the long-tail workload ran
     slower end to end (77.0 against 81.9 output tok/s, medians of 4 alternating runs of
-    `ops/bench/engine.py --workload longtail`), greedy agreement 1023 of 1024.
+    `ops/bench/engine.py --workload longtail`), greedy agreement 1023 of 1024. Behind
+    int16 layers it is: on the Intel Xeon with AVX-512 VNNI and no bfloat16 a batch-64
+    decode step took 76-79 ms against 93-94 (attention 24-25 ms against 38-39) and the
+    long-tail workload ran at 243.9 against 232.3 output tok/s (medians of 4 alternating
+    runs, every bfloat16 run ahead of its float32 pair); on the AMD EPYC with AVX2 only
+    150.8 against 147.3, within the noise; greedy agreement through decode 1022 of 1024
+    with either cache, and twice the blocks.
 
     "int8" (explicit only) stores each token's K and V rows per KV head as int8 with one
     float32 scale (worker.model.attention.quantize_rows): 68 bytes a row of 64 against
@@ -194,8 +202,10 @@ def choose_kv_dtype(
         return DtypeChoice(activation_dtype, "the model's dtype")
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
-    if linear_dtype == "bfloat16" and in_place_decode:
-        return DtypeChoice("bfloat16", "auto: bfloat16 linear layers and in-place decode attention")
+    if linear_dtype in ("bfloat16", "int16") and in_place_decode:
+        return DtypeChoice(
+            "bfloat16", f"auto: {linear_dtype} linear layers and in-place decode attention"
+        )
     return DtypeChoice(activation_dtype, "auto: the activations' dtype")
 
 

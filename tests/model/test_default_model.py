@@ -215,15 +215,23 @@ def test_bfloat16_decode_of_few_sequences_agrees_with_float32(default_model_dir)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["prefill", "decode"])
-def test_int16_linear_layers_agree_with_float32(default_model_dir, path: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "kv_cache_dtype"),
+    [("prefill", "float32"), ("decode", "float32"), ("decode", "bfloat16")],
+)
+def test_int16_linear_layers_agree_with_float32(
+    default_model_dir, path: str, kv_cache_dtype: str
+) -> None:
     """Float32 linear layers as 16-bit integer products (`--linear int16`, what auto takes
-    for float32 on a CPU with AVX2 and no AVX-512), behind the int8 output projection auto
-    gives them: the next token equals float32's greedy pick at >= 99% of positions, in a
-    prompt's prefill and through decode steps of 16 sequences."""
+    for float32 on a CPU with AVX2 and no AVX-512 or with AVX-512 VNNI), behind the int8
+    output projection auto gives them: the next token equals float32's greedy pick at
+    >= 99% of positions, in a prompt's prefill and through decode steps of 16 sequences,
+    from a float32 cache or the bfloat16 one auto gives them."""
     ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
     loaded = load_model(str(default_model_dir), dtype="float32", head_dtype="int8")
-    cfg = EngineConfig(num_kv_blocks=256, linear="int16", attention="native")
+    cfg = EngineConfig(
+        num_kv_blocks=256, linear="int16", attention="native", kv_cache_dtype=kv_cache_dtype
+    )
     runner = ModelRunner(cfg, loaded)
     assert "16-bit integer products" in runner.info.linear, runner.info.linear
     layers = [m for m in loaded.model.layers.modules() if isinstance(m, Linear)]
@@ -232,9 +240,9 @@ def test_int16_linear_layers_agree_with_float32(default_model_dir, path: str) ->
         agree, total = prefill_agreement(runner, ids, outs)
     else:
         agree, total = _decode_agreement(runner, ids, outs)
-    print(f"int16 linear layers, {path}: {agree}/{total}")
+    print(f"int16 linear layers, {path}, {kv_cache_dtype} cache: {agree}/{total}")
     assert total == 64 * len(AGREEMENT_PROMPTS)
-    assert agree / total >= 0.99, f"int16 linear layers, {path}: {agree}/{total} agree"
+    assert agree / total >= 0.99, f"int16 layers, {path}, {kv_cache_dtype}: {agree}/{total}"
 
 
 # Int8 linear layers miss the 99% bar on this model (worker.hardware.INT8_AGREEMENT);

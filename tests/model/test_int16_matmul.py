@@ -261,8 +261,8 @@ def test_a_model_with_int16_linear_layers_keeps_float32s_logits(tiny_model_dir) 
 
 def test_auto_takes_int16_only_for_float32_it_chose(tiny_model_dir) -> None:
     """A float32 model loaded as auto's choice computes as int16 products on a CPU whose
-    widest vectors are AVX2 or one with AVX-512 VNNI (nowhere else); the same model loaded
-    as float32 asked for stays float32 on every CPU."""
+    widest vectors are AVX2 or one with AVX-512 VNNI (nowhere else), from a bfloat16 KV
+    cache; the same model loaded as float32 asked for stays float32 on every CPU."""
     path = str(tiny_model_dir("llama3"))
     flags = read_cpu_flags()
     takes = "avx2" in flags and ("avx512f" not in flags or "avx512_vnni" in flags)
@@ -270,8 +270,14 @@ def test_auto_takes_int16_only_for_float32_it_chose(tiny_model_dir) -> None:
     loaded = load_model(path, dtype="float32")
     chosen = ModelRunner(cfg, dataclasses.replace(loaded, auto_dtype=True))
     assert ("16-bit integer products" in chosen.info.linear) == takes, chosen.info.linear
+    # behind int16 layers the cache the C kernel reads in place is bfloat16
+    assert chosen.kv_dtype == (torch.bfloat16 if takes else torch.float32)
+    assert chosen.info.kv_cache_dtype.startswith(
+        "bfloat16 (auto: int16 linear layers" if takes else "float32 (auto"
+    )
     asked = ModelRunner(cfg, loaded)  # auto_dtype False: float32 was asked for
     assert "16-bit integer products" not in asked.info.linear
+    assert asked.kv_dtype == torch.float32
     assert all(m.int16_weight is None for m in loaded.model.modules() if isinstance(m, Linear))
 
 

@@ -83,6 +83,9 @@ def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
     assert narrow.dtype == "bfloat16" and "in-place" in narrow.reason
     # ...not behind float32 linear layers, nor where decode gathers blocks instead
     assert choose_kv_dtype("auto", "cpu", "float32", "float32", True).dtype == "float32"
+    int16 = choose_kv_dtype("auto", "cpu", "float32", "int16", in_place_decode=True)
+    assert int16.dtype == "bfloat16" and "int16 linear layers" in int16.reason
+    assert choose_kv_dtype("auto", "cpu", "float32", "int16", False).dtype == "float32"
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", False).dtype == "float32"
     assert choose_kv_dtype("float32", "cpu", "float32", "bfloat16", True).dtype == "float32"
     explicit = choose_kv_dtype("bfloat16", "cpu", "float32")

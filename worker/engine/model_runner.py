@@ -156,7 +156,7 @@ class ModelRunner:
             config.kv_cache_dtype,
             self.device.type,
             DTYPE_NAMES[act_dtype],
-            dtype_name(loaded),
+            "int16" if int16 is not None else dtype_name(loaded),
             self.native is not None,
         )
         # the KV cache's; int8 rows hold D values and their float32 scale (quantize_rows)
