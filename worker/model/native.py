@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -105,12 +105,29 @@ class Int16Weight:
         return self.wq.numel() * 2 + self.scale.numel() * 4
 
 
+@dataclass
+class Scratch:
+    """Grow-only bytes a kernel call works in and gives back when it returns (an int16
+    matmul rounds its inputs there: 121 calls a step, each torch allocation ~3 us). One
+    call at a time: a runner's steps are sequential, and each runner loads its own
+    NativeKernels."""
+
+    data: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+    def take(self, nbytes: int) -> int:
+        """The address of at least `nbytes` (64-byte aligned, as torch allocates)."""
+        if self.data.numel() < nbytes:
+            self.data = torch.empty(max(nbytes, 2 * self.data.numel()), dtype=torch.uint8)
+        return int(self.data.data_ptr())
+
+
 @dataclass(frozen=True)
 class NativeKernels:
     """The loaded library, one method per entry point."""
 
     lib: ctypes.CDLL
     path: Path
+    scratch: Scratch = field(default_factory=Scratch, compare=False, repr=False)
 
     @property
     def bf16_scores(self) -> bool:
@@ -316,13 +333,15 @@ class NativeKernels:
         if bias is not None:
             _check_rows(bias, float32_only=True)
             _expect(bias.shape == (N,), f"a bias of {N}", bias)
-        xq = torch.empty((-(-M // 4) * 4, K), dtype=torch.int16)  # four rows per tile
-        xs = torch.empty((M, -(-K // INT16_BLOCK)), dtype=torch.float32)
+        # scratch for the rounded inputs: xq [ceil(M / 4) * 4, K] int16 (four rows a group),
+        # then xs [M, ceil(K / INT16_BLOCK)] float32 (its offset a multiple of 16 bytes)
+        xq_bytes = -(-M // 4) * 4 * K * 2
+        xq = self.scratch.take(xq_bytes + M * -(-K // INT16_BLOCK) * 4)
         out = torch.empty((M, N), dtype=torch.float32)
         status = self.lib.kvflow_linear_i16(
             x.data_ptr(),
-            xq.data_ptr(),
-            xs.data_ptr(),
+            xq,
+            xq + xq_bytes,
             weight.wq.data_ptr(),
             weight.scale.data_ptr(),
             None if bias is None else bias.data_ptr(),
