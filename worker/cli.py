@@ -102,8 +102,8 @@ def engine_options(fn: F) -> F:
             help="CPU linear layers: weights packed once at load for oneDNN's matmul "
             "(onednn), torch's plain matmul (torch), float32 layers as 16-bit integer "
             "products in C (int16: 14-bit weights, 13-bit inputs); auto takes int16 for "
-            "float32 it chose on a CPU with AVX2 and no AVX-512, else onednn where torch "
-            "has it.",
+            "float32 it chose on a CPU with AVX2 and no AVX-512 or with AVX-512 VNNI, "
+            "else onednn where torch has it.",
         ),
         click.option(
             "--prefill-attention",
