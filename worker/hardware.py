@@ -88,41 +88,42 @@ def choose_int16_linear(
     auto_dtype: bool,
     linear_dtype: str,
     cpu_flags: frozenset[str],
-    built: bool,
+    lanes: int,
 ) -> DtypeChoice | None:
     """Whether float32 linear layers compute as 16-bit integer products (worker/model/
     kernels/int16_matmul.c: 14-bit weights per output column, 13-bit inputs per block of
     64, exact int32 sums), given `--linear` (`requested`), whether `--dtype auto` chose
-    the layers' dtype (`auto_dtype`) and that dtype, the CPU, and whether the kernel, the
-    C layer ops it runs in and layers it takes are there (`built`). None: the layers keep
-    float32 arithmetic.
+    the layers' dtype (`auto_dtype`) and that dtype, the CPU, and the kernel's build:
+    `lanes` 16 (AVX-512 VNNI) or 8 (AVX2) where the kernel, the C layer ops it runs in
+    and layers it takes are there, else 0. None: the layers keep float32 arithmetic.
 
     "int16" asks for it (ValueError where it cannot be had). Auto takes it for float32
     layers that auto chose (an explicit float32 stays exact: the reference the others are
     held to) on a CPU whose widest vectors are AVX2: there vpmaddwd does twice the products
     of an FMA per instruction, and a decoder layer's matmuls took 0.44-0.71x the time of
     float32 through oneDNN at 1-512 rows (AMD EPYC Zen 3, 2 threads); and on one with
-    AVX-512 VNNI, whose vpdpwssd does twice the products of a 512-bit FMA (the library is
-    then built with that kernel). With AVX-512 but no VNNI the float32 FMAs are as wide as
-    the integer products and the AVX2 kernel is not measured against them."""
+    AVX-512 VNNI where the library was built with that kernel (vpdpwssd: twice the
+    products of a 512-bit FMA; 0.36-0.55x oneDNN's float32 time at 1-512 rows on an Intel
+    Xeon). With AVX-512 the AVX2 build is not taken: there it took 1.08-1.40x oneDNN's
+    float32 time from 16 rows up (the same Xeon)."""
     if requested == "int16":
         if linear_dtype != "float32":
             raise ValueError(
                 f"linear 'int16' computes float32 linear layers; this model's are {linear_dtype}"
             )
-        if not built:
+        if not lanes:
             raise ValueError(
                 "linear 'int16' is not available: it needs the C kernels built for a CPU "
                 "with AVX2 and FMA, the C layer ops (attention 'native' or 'auto'; not for "
-                "models with a q/k norm) and linear layers of a multiple of 8 outputs and "
-                "an even number of inputs"
+                "models with a q/k norm) and linear layers of a multiple of 8 outputs (16 "
+                "where the kernels are built with AVX-512 VNNI) and an even number of inputs"
             )
         return DtypeChoice("int16", "int16 set explicitly")
-    if requested != "auto" or linear_dtype != "float32" or not built:
+    if requested != "auto" or linear_dtype != "float32" or not lanes:
         return None
     if not auto_dtype or "avx2" not in cpu_flags:
         return None
-    if "avx512_vnni" in cpu_flags:
+    if lanes == 16:
         return DtypeChoice(
             "int16", "auto: float32 layers chosen by auto on a CPU with AVX-512 VNNI"
         )

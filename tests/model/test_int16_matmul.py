@@ -97,16 +97,16 @@ def test_int16_layout_puts_a_block_of_columns_in_the_lanes(lanes: int) -> None:
         Int16Weight(iw.wq, iw.scale.double())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 7, 8, 13, 14, 64, 130])
 @pytest.mark.parametrize(
-    ("k", "n"), [(576, 960), (1536, 576), (66, 48), (2, 16), (130, 80), (64, 32)]
+    ("k", "n"), [(576, 960), (1536, 576), (66, 48), (2, 16), (130, 80), (64, 32), (576, 64)]
 )
 def test_linear_i16_computes_the_rounded_operands_products(
     ops: NativeKernels, rows: int, k: int, n: int
 ) -> None:
-    """Row counts off the tiles (4 rows in the AVX2 build, 8 in the VNNI one) and past the
-    64-row chunk; column blocks in whole 3-block tiles and off them (1 and 2 left, in
-    blocks of 8 or 16); inputs off the 64-input block."""
+    """Row counts off the tiles (4 rows in the AVX2 build, 8 in the VNNI one: every count
+    of rows left, 1 to 7) and past the 64-row chunk; column blocks in whole 3-block tiles
+    and off them (1 and 2 left, in blocks of 8 or 16); inputs off the 64-input block."""
     g = torch.Generator().manual_seed(rows * 31 + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(rows, k, generator=g)

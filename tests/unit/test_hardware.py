@@ -185,28 +185,30 @@ def test_the_output_projection_narrows_beside_auto_float32_only() -> None:
 
 def test_int16_linear_layers_where_auto_chose_float32_on_an_avx2_or_vnni_cpu() -> None:
     """Auto computes float32 layers as int16 products on a CPU whose widest vectors are
-    AVX2 or one with AVX-512 VNNI, where it chose float32 itself and the kernel is there;
-    nowhere else. An explicit int16 is granted or refused with the reason."""
-    auto = choose_int16_linear("auto", True, "float32", EPYC_AVX2_FLAGS, built=True)
+    AVX2 (the AVX2 build, 8 lanes) or with the AVX-512 VNNI build (16 lanes), where it
+    chose float32 itself and the kernel is there; nowhere else (not the AVX2 build on an
+    AVX-512 CPU). An explicit int16 is granted or refused with the reason."""
+    auto = choose_int16_linear("auto", True, "float32", EPYC_AVX2_FLAGS, lanes=8)
     assert auto is not None and auto.dtype == "int16" and "AVX2" in auto.reason
-    vnni = choose_int16_linear("auto", True, "float32", XEON_NO_BF16_FLAGS, built=True)
+    vnni = choose_int16_linear("auto", True, "float32", XEON_NO_BF16_FLAGS, lanes=16)
     assert vnni is not None and "AVX-512 VNNI" in vnni.reason
     skylake = frozenset(["fma", "avx2", "avx512f", "avx512bw"])  # AVX-512 without VNNI
-    for linear, auto_dtype, flags, built in (
-        ("auto", False, EPYC_AVX2_FLAGS, True),  # float32 asked for: exact
-        ("auto", False, XEON_NO_BF16_FLAGS, True),
-        ("auto", True, skylake, True),  # AVX-512 FMAs as wide as the int16 products
-        ("auto", True, EPYC_AVX2_FLAGS, False),  # no kernel, C layer ops or fitting layers
-        ("onednn", True, EPYC_AVX2_FLAGS, True),  # another backend asked for
+    for linear, auto_dtype, flags, lanes in (
+        ("auto", False, EPYC_AVX2_FLAGS, 8),  # float32 asked for: exact
+        ("auto", False, XEON_NO_BF16_FLAGS, 16),
+        ("auto", True, skylake, 8),  # AVX-512 FMAs as wide as the AVX2 build's products
+        ("auto", True, XEON_NO_BF16_FLAGS, 8),  # a compiler without VNNI: the AVX2 build
+        ("auto", True, EPYC_AVX2_FLAGS, 0),  # no kernel, C layer ops or fitting layers
+        ("onednn", True, EPYC_AVX2_FLAGS, 8),  # another backend asked for
     ):
-        assert choose_int16_linear(linear, auto_dtype, "float32", flags, built) is None
-    assert choose_int16_linear("auto", True, "bfloat16", EPYC_AVX2_FLAGS, True) is None
-    explicit = choose_int16_linear("int16", False, "float32", AMD_EPYC_FLAGS, True)
+        assert choose_int16_linear(linear, auto_dtype, "float32", flags, lanes) is None
+    assert choose_int16_linear("auto", True, "bfloat16", EPYC_AVX2_FLAGS, 8) is None
+    explicit = choose_int16_linear("int16", False, "float32", AMD_EPYC_FLAGS, 16)
     assert explicit is not None and explicit.reason == "int16 set explicitly"
     with pytest.raises(ValueError, match="this model's are bfloat16"):
-        choose_int16_linear("int16", True, "bfloat16", AMD_EPYC_FLAGS, True)
+        choose_int16_linear("int16", True, "bfloat16", AMD_EPYC_FLAGS, 16)
     with pytest.raises(ValueError, match="AVX2 and FMA"):
-        choose_int16_linear("int16", True, "float32", EPYC_AVX2_FLAGS, False)
+        choose_int16_linear("int16", True, "float32", EPYC_AVX2_FLAGS, 0)
     with pytest.raises(ValueError, match="'int16' is for CPU"):
         EngineConfig(device="cuda", linear="int16")
 

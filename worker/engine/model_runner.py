@@ -139,7 +139,9 @@ class ModelRunner:
             loaded.auto_dtype,
             dtype_name(loaded),
             read_cpu_flags(),
-            built=step_ops is not None and int16_fits(self.model, step_ops.int16_lanes),
+            lanes=step_ops.int16_lanes
+            if step_ops is not None and int16_fits(self.model, step_ops.int16_lanes)
+            else 0,
         )
         packing = "torch" if int16 is not None else config.linear
         linear = pack_linear_layers(self.model, packing, self.device.type)
