@@ -104,8 +104,8 @@ def choose_int16_linear(
     float32 through oneDNN at 1-512 rows (AMD EPYC Zen 3, 2 threads); and on one with
     AVX-512 VNNI where the library was built with that kernel (vpdpwssd: twice the
     products of a 512-bit FMA; 0.36-0.55x oneDNN's float32 time at 1-512 rows on an Intel
-    Xeon). With AVX-512 the AVX2 build is not taken: there it took 1.08-1.40x oneDNN's
-    float32 time from 16 rows up (the same Xeon)."""
+    Xeon). With AVX-512 the AVX2 build is not taken: there it took 1.08-1.78x oneDNN's
+    float32 time from 32 rows up (the same Xeon, two runs)."""
     if requested == "int16":
         if linear_dtype != "float32":
             raise ValueError(
