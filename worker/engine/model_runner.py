@@ -133,20 +133,16 @@ class ModelRunner:
         self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
         step_ops = self._step_layer_ops()
         # float32 layers as int16 products, through those ops; decided before the packing
-        # for oneDNN, which they replace
+        # for oneDNN, which they replace. lanes: the kernel's build, 0 where these layers
+        # cannot take it
+        lanes = step_ops.int16_lanes if step_ops is not None else 0
+        lanes = lanes if int16_fits(self.model, lanes) else 0
         int16 = choose_int16_linear(
-            config.linear,
-            loaded.auto_dtype,
-            dtype_name(loaded),
-            read_cpu_flags(),
-            lanes=step_ops.int16_lanes
-            if step_ops is not None and int16_fits(self.model, step_ops.int16_lanes)
-            else 0,
+            config.linear, loaded.auto_dtype, dtype_name(loaded), read_cpu_flags(), lanes
         )
         packing = "torch" if int16 is not None else config.linear
         linear = pack_linear_layers(self.model, packing, self.device.type)
-        lanes = step_ops.int16_lanes if int16 is not None and step_ops is not None else 0
-        done = attach_int16_weights(self.model, lanes)
+        done = attach_int16_weights(self.model, lanes if int16 is not None else 0)
         if int16 is not None:
             linear = f"{done} ({int16.reason})"
         # decode steps of few sequences: the linear layers through the C kernel for few

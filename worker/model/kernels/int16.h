@@ -10,12 +10,23 @@
 #define X_MAX 4095 /* |xq|: 13-bit inputs; KB * W_MAX * X_MAX = 2,146,697,280 < 2^31 */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define I16_VNNI 1 /* int16_matmul_vnni.c is the build's kernel */
+#define I16_VNNI 1 /* int16_matmul_vnni.c's tiles are the build's */
+#define I16_LANES 16
 #else
 #define I16_VNNI 0
+#define I16_LANES 8 /* columns a weight block: int32 lanes a vector */
 #endif
+#define I16_NR 3  /* column blocks a tile, and a panel that one thread takes */
+#define I16_MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
 
 /* x [M, K] float32 -> xq [ceil(M / 4)][K / 2][4] pairs of int16 and xs [M, ceil(K / KB)]
  * float32 (int16_matmul.c; built where AVX2 and FMA are). */
 void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K);
+
+/* One build's tiles over a chunk's rows mc..mend-1 (mc a multiple of I16_MC) x the panel
+ * of column blocks b..b+nr-1 (nr <= I16_NR), into out times the column scales (+ bias);
+ * kvflow_linear_i16 (int16_matmul.c) splits the panels between threads. */
+void kvflow_i16_panel(const int16_t *xq, const float *xs, const int16_t *wq, const float *ws,
+                      const float *bias, float *out, int K, int N, int nkb, int mc, int mend,
+                      int b, int nr);
 #endif

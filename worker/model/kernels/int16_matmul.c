@@ -26,7 +26,7 @@
  * rows; float32 through oneDNN 63-67 GFLOP/s); the assembly 4 x 3 took 0.83-0.86x the 4 x
  * 2's time at 4-64 rows, 0.97x at 256-512 (2 threads), where both ran at ~112 GOP/s a
  * core: ~70-80% of what this core sustains of vpmaddwd + vpaddd pairs alone (1.3-1.6 a
- * cycle). Threads split the column panels; the rows go through in chunks of MC so that a
+ * cycle). Threads split the column panels; the rows go through in chunks of I16_MC so that a
  * chunk's inputs stay in L2 while every panel passes over them.
  *
  * Measured there with the 4 x 2 tile (2 threads, the four shapes of a decoder layer,
@@ -165,8 +165,7 @@ void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int
 
 #if defined(__AVX2__) && defined(__FMA__) && !I16_VNNI
 #define MR 4
-#define NR 3
-#define MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
+#define NR I16_NR
 
 /* A block's int32 sums into the float32 totals, each row's by its block scale. */
 static inline __attribute__((always_inline)) void
@@ -302,37 +301,46 @@ tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *rest
         else TILE(MV, 1);                                                               \
         break;
 
+void kvflow_i16_panel(const int16_t *xq, const float *xs, const int16_t *wq, const float *ws,
+                      const float *bias, float *out, int K, int N, int nkb, int mc, int mend,
+                      int b, int nr) {
+    for (int m = mc; m < mend; m += MR) {
+        switch (mend - m < MR ? mend - m : MR) {
+            ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
+        }
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 /* out [M, N] float32 = x [M, K] float32 @ W.T (+ bias [N], or NULL), W given as wq and ws
  * (above); xq [ceil(M / 4) * 4, K] int16 and xs [M, ceil(K / KB)] float32 are scratch for
- * x's rounding. */
+ * x's rounding. Threads split the column panels; the rows go through in chunks of
+ * I16_MC, each chunk's tiles from the build's kvflow_i16_panel. */
 int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
                       const float *ws, const float *bias, float *out, int M, int N, int K) {
-    if (M < 0 || N % 8 != 0 || K < 2 || K % 2 != 0) return 1;
+    if (M < 0 || N % I16_LANES != 0 || K < 2 || K % 2 != 0) return 1;
     kvflow_i16_quantize_rows(x, xq, xs, M, K);
-    const int nkb = (K + KB - 1) / KB, blocks = N / 8;
-    const int panels = (blocks + NR - 1) / NR;
+    const int nkb = (K + KB - 1) / KB, blocks = N / I16_LANES;
+    const int panels = (blocks + I16_NR - 1) / I16_NR;
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int lo = (int)((long)panels * id / nt), hi = (int)((long)panels * (id + 1) / nt);
-        for (int mc = 0; mc < M; mc += MC) {
-            const int mend = mc + MC < M ? mc + MC : M;
+        for (int mc = 0; mc < M; mc += I16_MC) {
+            const int mend = mc + I16_MC < M ? mc + I16_MC : M;
             for (int pn = lo; pn < hi; pn++) {
-                const int b = pn * NR, nr = blocks - b < NR ? blocks - b : NR;
-                for (int m = mc; m < mend; m += MR) {
-                    switch (mend - m < MR ? mend - m : MR) {
-                        ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
-                    }
-                }
+                const int b = pn * I16_NR, nr = blocks - b < I16_NR ? blocks - b : I16_NR;
+                kvflow_i16_panel(xq, xs, wq, ws, bias, out, K, N, nkb, mc, mend, b, nr);
             }
         }
     }
     return 0;
 }
 
-/* The columns of a weight's block in the layout this build reads: 8 (0: not built). */
-int kvflow_linear_i16_lanes(void) { return 8; }
-#elif !I16_VNNI
+/* The columns of a weight's block in the layout this build reads (0: not built). */
+int kvflow_linear_i16_lanes(void) { return I16_LANES; }
+#else
 int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
                       const float *ws, const float *bias, float *out, int M, int N, int K) {
     (void)x, (void)xq, (void)xs, (void)wq, (void)ws, (void)bias, (void)out, (void)M, (void)N,

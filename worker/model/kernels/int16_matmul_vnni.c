@@ -13,9 +13,8 @@
  * weight vectors of a pair and its broadcast input in 28 of the 32 registers; per pair of
  * inputs 3 loads of weights and 8 broadcasts (two 16-byte runs of xq) for 24 vpdpwssd,
  * so a column panel's weights are read once per 8 rows. Threads split the column panels;
- * the rows go through in chunks of MC, as in the AVX2 build.
+ * the rows go through in chunks of I16_MC, as in the AVX2 build (kvflow_linear_i16).
  */
-#include <omp.h>
 #include <stdint.h>
 
 #include "int16.h"
@@ -23,10 +22,9 @@
 #if I16_VNNI
 #include <immintrin.h>
 
-#define MR 8  /* rows a tile: two groups of four in xq */
-#define NR 3  /* column blocks of 16 a tile */
-#define MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
-#define LANES 16
+#define MR 8 /* rows a tile: two groups of four in xq */
+#define NR I16_NR
+#define LANES I16_LANES
 
 /* A block's int32 sums (acc, in memory) into the float32 totals, each row's by its block
  * scale. */
@@ -169,36 +167,15 @@ tile(const int32_t *restrict xp, const float *restrict xs, const int16_t *restri
         else TILE(MV, 1);                                                               \
         break;
 
-/* out [M, N] float32 = x [M, K] float32 @ W.T (+ bias [N], or NULL), W given as wq and ws
- * (above); xq [ceil(M / 4) * 4, K] int16 and xs [M, ceil(K / KB)] float32 are scratch for
- * x's rounding. */
-int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
-                      const float *ws, const float *bias, float *out, int M, int N, int K) {
-    if (M < 0 || N % LANES != 0 || K < 2 || K % 2 != 0) return 1;
-    kvflow_i16_quantize_rows(x, xq, xs, M, K);
-    const int32_t *xp = (const int32_t *)xq;
-    const int nkb = (K + KB - 1) / KB, blocks = N / LANES;
-    const int panels = (blocks + NR - 1) / NR;
-#pragma omp parallel
-    {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int lo = (int)((long)panels * id / nt), hi = (int)((long)panels * (id + 1) / nt);
-        for (int mc = 0; mc < M; mc += MC) {
-            const int mend = mc + MC < M ? mc + MC : M;
-            for (int pn = lo; pn < hi; pn++) {
-                const int b = pn * NR, nr = blocks - b < NR ? blocks - b : NR;
-                for (int m = mc; m < mend; m += MR) {
-                    switch (mend - m < MR ? mend - m : MR) {
-                        ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5)
-                        ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
-                    }
-                }
-            }
+void kvflow_i16_panel(const int16_t *xq, const float *xs, const int16_t *wq, const float *ws,
+                      const float *bias, float *out, int K, int N, int nkb, int mc, int mend,
+                      int b, int nr) {
+    const int32_t *xp = (const int32_t *)xq; /* pairs of int16 */
+    for (int m = mc; m < mend; m += MR) {
+        switch (mend - m < MR ? mend - m : MR) {
+            ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5)
+            ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
         }
     }
-    return 0;
 }
-
-/* The columns of a weight's block in the layout this build reads. */
-int kvflow_linear_i16_lanes(void) { return LANES; }
 #endif
