@@ -378,13 +378,23 @@ def main() -> None:
     profile_rows = []
     gather_rows = []
     curve_md = ""
+    limit_label = gather_label = ""
     if args.profile:
         import step_profile
 
+        # Engines built on one loaded model share its linear layers, laid out for the
+        # latest engine built (worker.model.packing): each engine's steps run before the
+        # next one is built, so the curve precedes the gather engine (whose torch attention
+        # takes float32 layers where int16 ones need the C layer ops).
         prof_engine = LLMEngine(EngineConfig(**asdict(cfg)), loaded=engine.loaded)
         profile_rows = step_profile.run(
             prof_engine, (16, 32, 64), lambda m: print(m, file=sys.stderr)
         )
+        limit_label = step_profile.limit_label(prof_engine)
+        print("decode tok/s by batch size", file=sys.stderr)
+        curve, context, choice = step_profile.batch_curve(prof_engine)
+        curve_md = step_profile.curve_table(curve, context, choice)
+        step_profile.plot_curve(curve, choice, args.out / "batch_curve.png")
         if "kvflow-gather" in systems:  # the same steps with the gather path, for the split
             gather = LLMEngine(
                 EngineConfig(**{**asdict(cfg), "attention": "torch"}), loaded=engine.loaded
@@ -392,10 +402,7 @@ def main() -> None:
             gather_rows = step_profile.run(
                 gather, (64,), lambda m: print(m + " (gather)", file=sys.stderr)
             )
-        print("decode tok/s by batch size", file=sys.stderr)
-        curve, context, choice = step_profile.batch_curve(prof_engine)
-        curve_md = step_profile.curve_table(curve, context, choice)
-        step_profile.plot_curve(curve, choice, args.out / "batch_curve.png")
+            gather_label = step_profile.limit_label(gather)
 
     base = "kvflow-continuous"
     md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, linear layers {engine.info.linear}, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
@@ -408,10 +415,10 @@ def main() -> None:
         import step_profile
 
         md += "\n\nDecode step profile (ms per step, contexts ~256 tokens):\n\n"
-        md += step_profile.table(profile_rows, step_profile.limit_label(engine))
-        if "kvflow-gather" in systems:
+        md += step_profile.table(profile_rows, limit_label)
+        if gather_rows:
             md += "\n\nThe same at batch 64 with decode attention by block gather (--attention torch):\n\n"
-            md += step_profile.table(gather_rows, step_profile.limit_label(engine))
+            md += step_profile.table(gather_rows, gather_label)
         md += f"\n\nDecode tokens/s by batch size (`{args.out / 'batch_curve.png'}`):\n\n"
         md += curve_md
     print("\n" + md)
