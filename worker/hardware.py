@@ -183,8 +183,10 @@ def choose_kv_dtype(
     decode step took 76-79 ms against 93-94 (attention 24-25 ms against 38-39) and the
     long-tail workload ran at 243.9 against 232.3 output tok/s (medians of 4 alternating
     runs, every bfloat16 run ahead of its float32 pair); on the AMD EPYC with AVX2 only
-    150.8 against 147.3, within the noise; greedy agreement through decode 1022 of 1024
-    with either cache, and twice the blocks.
+    150.8 against 147.3, within the noise, and decode steps 0.85x / 0.86x / 0.89x
+    float32's time at batch 64 / 32 / 16 (contexts of 256, both caches alternating step
+    by step); greedy agreement through decode 1022 of 1024 with either cache, and twice
+    the blocks.
 
     "int8" (explicit only) stores each token's K and V rows per KV head as int8 with one
     float32 scale (worker.model.attention.quantize_rows): 68 bytes a row of 64 against
@@ -235,8 +237,11 @@ def choose_prefill_attention(
     5, 2 threads, alternating), where bfloat16 SDPA ran 1.05-1.12x float32's. Where the CPU has AMX it
     takes bfloat16 SDPA: 0.41-0.49x float32's time at 256-2,048 tokens, casts included,
     and 8 prompts of 512 prefilled in 0.74x the time (Intel Xeon with AMX, alternating);
-    the kernel was not measured there. Elsewhere float32 SDPA. On CUDA attention runs
-    in the model's dtype."""
+    the kernel was not measured there. Elsewhere float32 SDPA: behind int16 layers over a
+    bfloat16 cache on an AMD EPYC with AVX2 only, prompt steps through the kernel took
+    0.99x float32 SDPA's time (4 prompts of 256) and 1.01x (8 of 256 behind a cached
+    128-token opening), alternating: no gain for prompt rows read from a rounded cache.
+    On CUDA attention runs in the model's dtype."""
     if requested not in PREFILL_ATTENTION_DTYPES:
         raise ValueError(
             f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, got {requested!r}"

@@ -52,6 +52,9 @@ from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.request import SamplingParams, percentile
 
+# prompt steps profiled with --profile (prompts x tokens, prefilled in one step each):
+# few rows and a full default token budget
+PROMPT_SHAPES = ((1, 256), (8, 256))
 SYSTEMS = (
     "kvflow-continuous",
     "kvflow-gather",
@@ -376,6 +379,7 @@ def main() -> None:
             )
         )
     profile_rows = []
+    prompt_rows = []
     gather_rows = []
     curve_md = ""
     limit_label = gather_label = ""
@@ -391,6 +395,9 @@ def main() -> None:
             prof_engine, (16, 32, 64), lambda m: print(m, file=sys.stderr)
         )
         limit_label = step_profile.limit_label(prof_engine)
+        for n, tokens in (p for p in PROMPT_SHAPES if p[0] * p[1] <= cfg.max_num_batched_tokens):
+            print(f"profiling prompt steps of {n} x {tokens} tokens", file=sys.stderr)
+            prompt_rows.append(step_profile.profile_prompt(prof_engine, n, tokens))
         print("decode tok/s by batch size", file=sys.stderr)
         curve, context, choice = step_profile.batch_curve(prof_engine)
         curve_md = step_profile.curve_table(curve, context, choice)
@@ -419,6 +426,8 @@ def main() -> None:
         if gather_rows:
             md += "\n\nThe same at batch 64 with decode attention by block gather (--attention torch):\n\n"
             md += step_profile.table(gather_rows, gather_label)
+        md += "\n\nPrompt step profile (ms per step; fresh prompts prefilled in one step):\n\n"
+        md += step_profile.prompt_table(prompt_rows, limit_label)
         md += f"\n\nDecode tokens/s by batch size (`{args.out / 'batch_curve.png'}`):\n\n"
         md += curve_md
     print("\n" + md)

@@ -4,6 +4,10 @@
     python ops/bench/step_profile.py --compare-layer-ops   # C layer ops vs torch ops
     python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
     python ops/bench/step_profile.py --linear int16 --compare-int16  # int16 vs float32
+    python ops/bench/step_profile.py --prompts 1x256,8x256  # prompt steps instead
+
+`profile_prompt` does the same for prompt steps: fresh prompts prefilled in one step each,
+split by the same timers, against the linear layers alone at the step's rows.
 
 `profile_decode` fills the engine with `batch` sequences (prompts of `context` tokens),
 then runs decode-only steps with the model's linear layers, attention, forward pass and
@@ -26,7 +30,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -61,6 +65,10 @@ class StepProfile:
     @property
     def tok_s(self) -> float:
         return self.batch / (self.step_ms / 1000)
+
+    @property
+    def label(self) -> str:
+        return str(self.batch)
 
 
 class PhaseTimers:
@@ -192,17 +200,104 @@ def profile_decode(
         logits = totals.get("kv.linear", 0.0)
     engine.abort(list(engine.scheduler.requests))
     wall = statistics.median(times) * 1000
+    phases = _phases(totals, split, inside, logits)
+    return StepProfile(batch, wall, phases, batch / min(passes), batch / between)
+
+
+def _phases(
+    totals: dict[str, float], split: float, inside: float, logits: float
+) -> dict[str, float]:
+    """ms per step of each of PHASES, from the labelled totals of a step that took `split`
+    ms (linear layers inside the forward pass, and the output projection's outside it)."""
     attention = totals.get("kv.attention", 0.0)
     forward = totals.get("kv.forward", 0.0)
     sampling = totals.get("kv.sampling", 0.0)
-    phases = {
+    return {
         "linear": inside + logits,
         "attention": attention,
         "sampling": sampling,
         "other model ops": max(0.0, forward - inside - attention),
         "bookkeeping": max(0.0, split - forward - logits - sampling),
     }
-    return StepProfile(batch, wall, phases, batch / min(passes), batch / between)
+
+
+@dataclass
+class PromptProfile:
+    prompts: int
+    tokens: int  # per prompt
+    step_ms: float  # median over the timed steps (wall)
+    phases_ms: dict[str, float]  # medians per step
+    limit_tok_s: float  # the linear layers alone at prompts x tokens rows: best pass
+    limit_median_tok_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.prompts * self.tokens / (self.step_ms / 1000)
+
+    @property
+    def label(self) -> str:
+        return f"{self.prompts} x {self.tokens}"
+
+
+def profile_prompt(engine: LLMEngine, prompts: int, tokens: int, steps: int = 5) -> PromptProfile:
+    """`steps` prompt steps, each of `prompts` fresh prompts of `tokens` random tokens (no
+    cached opening) prefilled at once, timed per phase; after each, a pass of the linear
+    layers alone at the same rows (the decoder's at prompts x tokens, the output
+    projection's at `prompts`, where a prompt step samples). A prompt step is long next to
+    the timers' cost per call (~150 calls a step), so one timed run gives both the wall
+    time and the split."""
+    rows = prompts * tokens
+    if rows > engine.config.max_num_batched_tokens:
+        raise ValueError(
+            f"{prompts} prompts of {tokens} tokens exceed the token budget of a step "
+            f"({engine.config.max_num_batched_tokens})"
+        )
+    g = torch.Generator().manual_seed(rows)
+    vocab = engine.info.vocab_size
+    layers = _linear_layers(engine, rows, head_rows=prompts)
+    walls: list[float] = []
+    passes: list[float] = []
+    split: dict[str, list[float]] = {p: [] for p in PHASES}
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for step in range(steps + 1):  # the first warms up: not counted
+        for i in range(prompts):
+            prompt = torch.randint(100, vocab, (tokens,), generator=g).tolist()
+            engine.add_request(f"prompt{rows}-{step}-{i}", prompt, params)
+        timers = PhaseTimers(lambda: None)
+        with _labelled(engine, timers):
+            t0 = time.perf_counter()
+            engine.step()
+            wall = (time.perf_counter() - t0) * 1000
+        stats = engine.last_stats
+        if stats is None or stats.num_prefill_tokens != rows:
+            engine.abort(list(engine.scheduler.requests))
+            raise RuntimeError(
+                f"the step prefilled {stats and stats.num_prefill_tokens} of {rows} tokens"
+            )
+        while engine.scheduler.requests:  # one token each: done, or aborted if not
+            engine.abort(list(engine.scheduler.requests))
+        if step == 0:
+            continue
+        totals = {k: v * 1000 for k, v in timers.totals.items()}
+        phases = _phases(
+            totals, wall, totals.get("kv.linear in forward", 0.0), totals.get("kv.linear", 0.0)
+        )
+        walls.append(wall)
+        for p in PHASES:
+            split[p].append(phases[p])
+        passes.append(_linear_pass(layers))
+    return PromptProfile(
+        prompts,
+        tokens,
+        statistics.median(walls),
+        {p: statistics.median(v) for p, v in split.items()},
+        rows / min(passes),
+        rows / statistics.median(passes),
+    )
+
+
+def prompt_table(rows: list[PromptProfile], dtype: str) -> str:
+    return _table("prompts x tokens", "prompt tok/s", rows, dtype)
 
 
 def _inside_forward_linear(prof: Any, steps: int) -> float:
@@ -226,23 +321,30 @@ def _has_ancestor(event: Any, name: str) -> bool:
 Layer = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
-def _linear_layers(engine: LLMEngine, batch: int) -> list[Layer]:
+def _linear_layers(engine: LLMEngine, batch: int, head_rows: int | None = None) -> list[Layer]:
     """The model's linear layers (decoder layers + output projection), each with a random
-    [batch, in] input in its own dtype (float32 into int8 layers)."""
+    [batch, in] input in its own dtype (float32 into int8 layers); the output projection's
+    [head_rows, in] (default `batch`: a decode step's logits)."""
     model = engine.runner.model
     ops = engine.runner.layer_ops  # the int16 products run only through the C layer ops
+    head_rows = batch if head_rows is None else head_rows
+    head_modules = set(model.narrow_head.modules()) if model.narrow_head is not None else set()
     layers: list[Layer] = []
     for m in model.modules():
+        n = head_rows if m in head_modules else batch
         if isinstance(m, llama_mod.Linear):  # its own matmul: packed, plain or int16
             w = m.weight
             fn = partial(m.matmul, ops=ops) if m.int16_weight is not None else m.matmul
-            layers.append((torch.randn(m.rows_for(batch), w.shape[1], dtype=w.dtype), fn))
+            layers.append((torch.randn(m.rows_for(n), w.shape[1], dtype=w.dtype), fn))
         elif isinstance(m, quant_mod.Int8Linear):  # float32 in, the module's own steps
-            layers.append((torch.randn(batch, m.in_features), m))
+            layers.append((torch.randn(n, m.in_features), m))
     if model.narrow_head is None:  # else the narrow projection is one of the modules above
         head = model.output_weight
         layers.append(
-            (torch.randn(batch, head.shape[1], dtype=head.dtype), partial(F.linear, weight=head))
+            (
+                torch.randn(head_rows, head.shape[1], dtype=head.dtype),
+                partial(F.linear, weight=head),
+            )
         )
     return layers
 
@@ -285,14 +387,18 @@ def limit_label(engine: LLMEngine) -> str:
 
 
 def table(rows: list[StepProfile], dtype: str) -> str:
-    head = "| batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
+    return _table("batch", "tok/s", rows, dtype)
+
+
+def _table(first: str, rate: str, rows: Sequence[StepProfile | PromptProfile], dtype: str) -> str:
+    head = f"| {first} | step ms | {rate} | " + " | ".join(f"{p} ms" for p in PHASES)
     head += f" | linear-layer limit tok/s ({dtype}) | share of limit |"
     head += " share of the limit's median pass |"
     lines = [head, "|" + "---|" * (len(PHASES) + 6)]
     for p in rows:
         cells = " | ".join(f"{p.phases_ms[k]:.1f}" for k in PHASES)
         lines.append(
-            f"| {p.batch} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {p.limit_tok_s:.0f} | "
+            f"| {p.label} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {p.limit_tok_s:.0f} | "
             f"{p.tok_s / p.limit_tok_s:.0%} | {p.tok_s / p.limit_median_tok_s:.0%} |"
         )
     return "\n".join(lines)
@@ -521,6 +627,11 @@ def main() -> None:
         "with --linear int16",
     )
     ap.add_argument(
+        "--prompts",
+        default="",
+        help="only profile prompt steps, e.g. 1x256,8x256 (prompts x tokens in one step)",
+    )
+    ap.add_argument(
         "--torch-profiler",
         action="store_true",
         help="split the step under the torch profiler rather than with timers",
@@ -543,6 +654,14 @@ def main() -> None:
     )
     if args.compare_layer_ops:
         print(compare_layer_ops(engine))
+        return
+    if args.prompts:
+        shapes = [tuple(int(v) for v in p.split("x")) for p in args.prompts.split(",")]
+        prompt_rows = []
+        for n, tokens in shapes:
+            print(f"profiling prompt steps of {n} x {tokens} tokens", file=sys.stderr)
+            prompt_rows.append(profile_prompt(engine, n, tokens))
+        print(prompt_table(prompt_rows, limit_label(engine)))
         return
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.compare_linear:
