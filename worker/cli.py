@@ -107,12 +107,13 @@ def engine_options(fn: F) -> F:
         ),
         click.option(
             "--prefill-attention",
-            type=click.Choice(["auto", "float32", "bfloat16", "native"]),
+            type=click.Choice(["auto", "float32", "bfloat16", "native", "flash"]),
             default=None,
             help="CPU prefill attention: SDPA on bfloat16 copies of q, k and v, or on "
-            "float32 ones, or the C decode kernel reading the cache in place (native); "
-            "auto takes bfloat16 where the CPU has AMX behind bfloat16 linear layers, "
-            "native where it has avx512_bf16 without AMX.",
+            "float32 ones, the C decode kernel reading the cache in place (native), or the "
+            "C prompt kernel reading it in place (flash); auto takes bfloat16 where the CPU "
+            "has AMX behind bfloat16 linear layers, native where it has avx512_bf16 "
+            "without AMX, flash where it has AVX2 without AVX-512.",
         ),
         click.option(
             "--kv-cache-dtype",

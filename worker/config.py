@@ -85,9 +85,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
     # "float32" on the activations, "native" the C decode kernel in place, a query row at
-    # a time; "auto" takes bfloat16 where the CPU has AMX behind bfloat16 linear layers,
-    # native where it has avx512_bf16 without AMX, over a bfloat16 cache
-    # (worker.hardware.choose_prefill_attention).
+    # a time, "flash" the C prompt kernel in place, tiles of queries at a time; "auto"
+    # takes bfloat16 where the CPU has AMX behind bfloat16 linear layers, native where it
+    # has avx512_bf16 without AMX, over a bfloat16 cache, flash where it has AVX2 without
+    # AVX-512 (worker.hardware.choose_prefill_attention).
     prefill_attention: str = "auto"
     # Measure decode tokens/s against batch size at start-up and run at most the smallest
     # batch within 5% of the best rate (worker.engine.tuning); max_num_seqs stays the cap.
@@ -155,12 +156,12 @@ class EngineConfig:
                 f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, "
                 f"got {self.prefill_attention!r}"
             )
-        if self.prefill_attention == "native" and (
+        if self.prefill_attention in ("native", "flash") and (
             self.device != "cpu" or self.attention == "torch"
         ):
             bad(
-                "prefill_attention 'native' runs prompt rows through the CPU attention kernel: "
-                "it needs device 'cpu' and attention 'auto' or 'native'"
+                f"prefill_attention {self.prefill_attention!r} runs prompt rows through a C "
+                "attention kernel: it needs device 'cpu' and attention 'auto' or 'native'"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

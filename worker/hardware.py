@@ -212,7 +212,7 @@ def choose_kv_dtype(
     return DtypeChoice(activation_dtype, "auto: the activations' dtype")
 
 
-PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16", "native")
+PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16", "native", "flash")
 
 
 def choose_prefill_attention(
@@ -222,12 +222,16 @@ def choose_prefill_attention(
     cpu_flags: frozenset[str],
     in_place: bool = False,
     kv_dtype: str = "bfloat16",
+    prompt_kernel: bool = False,
 ) -> DtypeChoice:
     """How prefill attention runs on CPU: torch's SDPA over a chunk and its cached context
-    in float32 or on bfloat16 copies of q, k and v ("float32", "bfloat16"), or the C decode
+    in float32 or on bfloat16 copies of q, k and v ("float32", "bfloat16"), the C decode
     kernel reading the cache in place, one query row at a time over the keys up to its
-    own position ("native"; `in_place`: the runner has that kernel). Outputs come back to
-    the float32 residual stream either way.
+    own position ("native"; `in_place`: the runner has that kernel), or the C prompt
+    kernel reading the cache in place, tiles of a chunk's queries against chunks of keys
+    with flash attention's online softmax, in float32 ("flash"; `prompt_kernel`: the
+    runner has it, for a float32 or bfloat16 cache, the model's head shapes and no
+    sliding window). Outputs come back to the float32 residual stream either way.
 
     "auto" takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
     what was measured; an int8 cache would hand prompt rows its rounded K/V where SDPA
@@ -237,11 +241,14 @@ def choose_prefill_attention(
     5, 2 threads, alternating), where bfloat16 SDPA ran 1.05-1.12x float32's. Where the CPU has AMX it
     takes bfloat16 SDPA: 0.41-0.49x float32's time at 256-2,048 tokens, casts included,
     and 8 prompts of 512 prefilled in 0.74x the time (Intel Xeon with AMX, alternating);
-    the kernel was not measured there. Elsewhere float32 SDPA: behind int16 layers over a
-    bfloat16 cache on an AMD EPYC with AVX2 only, prompt steps through the kernel took
-    0.99x float32 SDPA's time (4 prompts of 256) and 1.01x (8 of 256 behind a cached
-    128-token opening), alternating: no gain for prompt rows read from a rounded cache.
-    On CUDA attention runs in the model's dtype."""
+    the kernel was not measured there. On a CPU with AVX2 and no AVX-512 it takes "flash":
+    on an AMD EPYC with AVX2 only one layer's attention of a prompt of 64-512 tokens took
+    0.53-0.67x float32 SDPA's time and 128 tokens behind 128 cached ones 0.71-0.76x (a
+    bfloat16 or float32 cache, alternating; SDPA without the gather of the context that
+    the engine adds), where the decode kernel's rows had run prompt steps in 0.99-1.01x
+    SDPA's time. Elsewhere (AVX-512 without native bfloat16, unmeasured there: the kernel
+    computes in 256-bit vectors, SDPA in 512-bit ones) float32 SDPA. On CUDA attention runs
+    in the model's dtype."""
     if requested not in PREFILL_ATTENTION_DTYPES:
         raise ValueError(
             f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, got {requested!r}"
@@ -255,12 +262,20 @@ def choose_prefill_attention(
             "prefill_attention 'native' reads the cache through the C decode kernel, "
             "which this engine does not use (see its attention setting)"
         )
+    if requested == "flash" and not prompt_kernel:
+        raise ValueError(
+            "prefill_attention 'flash' needs the C prompt kernel, which this engine cannot "
+            "use (no C kernels, a cache other than float32 or bfloat16, head shapes its "
+            "tiles do not hold, or a sliding window)"
+        )
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
     if linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags:
         return DtypeChoice("bfloat16", "auto: AMX and bfloat16 linear layers")
     if in_place and kv_dtype == linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
         return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")
+    if prompt_kernel and "avx2" in cpu_flags and "avx512f" not in cpu_flags:
+        return DtypeChoice("flash", "auto: AVX2 without AVX-512, the C prompt kernel in place")
     return DtypeChoice("float32", "auto: the activations' dtype")
 
 

@@ -216,21 +216,31 @@ def test_bfloat16_decode_of_few_sequences_agrees_with_float32(default_model_dir)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("path", "kv_cache_dtype"),
-    [("prefill", "float32"), ("decode", "float32"), ("decode", "bfloat16")],
+    ("path", "kv_cache_dtype", "prefill_attention"),
+    [
+        ("prefill", "float32", "float32"),
+        ("prefill", "bfloat16", "flash"),
+        ("decode", "float32", "auto"),
+        ("decode", "bfloat16", "auto"),
+    ],
 )
 def test_int16_linear_layers_agree_with_float32(
-    default_model_dir, path: str, kv_cache_dtype: str
+    default_model_dir, path: str, kv_cache_dtype: str, prefill_attention: str
 ) -> None:
     """Float32 linear layers as 16-bit integer products (`--linear int16`, what auto takes
     for float32 on a CPU with AVX2 and no AVX-512 or with AVX-512 VNNI), behind the int8
     output projection auto gives them: the next token equals float32's greedy pick at
     >= 99% of positions, in a prompt's prefill and through decode steps of 16 sequences,
-    from a float32 cache or the bfloat16 one auto gives them."""
+    from a float32 cache or the bfloat16 one auto gives them, the prompt attended by
+    float32 SDPA or by the C prompt kernel from the bfloat16 cache (auto on an AVX2 CPU)."""
     ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
     loaded = load_model(str(default_model_dir), dtype="float32", head_dtype="int8")
     cfg = EngineConfig(
-        num_kv_blocks=256, linear="int16", attention="native", kv_cache_dtype=kv_cache_dtype
+        num_kv_blocks=256,
+        linear="int16",
+        attention="native",
+        kv_cache_dtype=kv_cache_dtype,
+        prefill_attention=prefill_attention,
     )
     runner = ModelRunner(cfg, loaded)
     assert "16-bit integer products" in runner.info.linear, runner.info.linear
@@ -240,7 +250,10 @@ def test_int16_linear_layers_agree_with_float32(
         agree, total = prefill_agreement(runner, ids, outs)
     else:
         agree, total = _decode_agreement(runner, ids, outs)
-    print(f"int16 linear layers, {path}, {kv_cache_dtype} cache: {agree}/{total}")
+    print(
+        f"int16 linear layers, {path}, {kv_cache_dtype} cache, prefill attention "
+        f"{prefill_attention}: {agree}/{total}"
+    )
     assert total == 64 * len(AGREEMENT_PROMPTS)
     assert agree / total >= 0.99, f"int16 layers, {path}, {kv_cache_dtype}: {agree}/{total}"
 

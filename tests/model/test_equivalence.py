@@ -41,6 +41,7 @@ def _sched(rid: str, tokens: list[int], start: int, n: int, blocks: list[int]) -
         ("torch", "auto", "float32"),
         ("native", "torch", "float32"),
         ("native", "auto", "native"),
+        ("native", "auto", "flash"),
     ],
 )
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -50,7 +51,8 @@ def test_logits_match_reference(
     """Both decode attention paths: the C kernel reading blocks in place, the torch gather;
     linear weights packed for oneDNN where torch has it, and torch's plain matmul; prompt
     rows through SDPA or through the C kernel with the decode rows (native: mixed steps,
-    a chunk on a cached prefix, a chunk continuing a chunk)."""
+    a chunk on a cached prefix, a chunk continuing a chunk) or the C prompt kernel (flash;
+    it refuses a sliding window)."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir(variant)
@@ -64,9 +66,14 @@ def test_logits_match_reference(
         linear=linear,
         prefill_attention=prefill,
     )
+    if prefill == "flash" and variant == "mistral":
+        with pytest.raises(ValueError, match="sliding window"):
+            ModelRunner(cfg, load_model(str(path)))
+        return
     runner = ModelRunner(cfg, load_model(str(path)))
     assert runner.info.attention.startswith(attention)
     assert runner.prefill_in_place == (prefill == "native")
+    assert (runner.prefill_kernels is not None) == (prefill == "flash")
     assert runner.info.linear.startswith("torch" if linear == "torch" else "oneDNN")
     # with the C attention kernel the layers' small ops run in C too (but for a q/k norm)
     takes_ops = attention == "native" and variant != "qwen3"

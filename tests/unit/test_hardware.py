@@ -240,3 +240,26 @@ def test_a_bare_cuda_device_gets_the_current_index(monkeypatch: pytest.MonkeyPat
     assert resolve_device("cuda") == torch.device("cuda", 3)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_prefill_attention_takes_the_prompt_kernel_with_avx2_without_avx512() -> None:
+    avx2 = frozenset({"avx2", "fma"})
+    chosen = choose_prefill_attention("auto", "cpu", "float32", avx2, True, "bfloat16", True)
+    assert chosen.dtype == "flash" and "AVX2 without AVX-512" in chosen.reason
+    # without the kernel for this engine, or on a CPU with AVX-512 (unmeasured): float32 SDPA
+    assert choose_prefill_attention("auto", "cpu", "float32", avx2, True).dtype == "float32"
+    avx512 = avx2 | {"avx512f", "avx512_vnni"}
+    assert (
+        choose_prefill_attention("auto", "cpu", "float32", avx512, True, "float32", True).dtype
+        == "float32"
+    )
+    # the measured choices elsewhere stand with the kernel at hand
+    bf16 = frozenset({"avx512f", "avx512_bf16"})
+    assert (
+        choose_prefill_attention("auto", "cpu", "bfloat16", bf16, True, "bfloat16", True).dtype
+        == "native"
+    )
+    explicit = choose_prefill_attention("flash", "cpu", "float32", avx512, True, "float32", True)
+    assert explicit.dtype == "flash" and explicit.reason == "set explicitly"
+    with pytest.raises(ValueError, match="C prompt kernel"):
+        choose_prefill_attention("flash", "cpu", "float32", avx2, True, "int8", False)

@@ -36,7 +36,14 @@ from worker.model.attention import (
 )
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
-from worker.model.native import I8_SCALE_BYTES, KV_DTYPES, MAX_GROUP, NativeKernels, load_native
+from worker.model.native import (
+    I8_SCALE_BYTES,
+    KV_DTYPES,
+    MAX_GROUP,
+    NativeKernels,
+    load_native,
+    prefill_kernel_fits,
+)
 from worker.model.packing import (
     attach_int16_weights,
     attach_rows_weights,
@@ -166,11 +173,19 @@ class ModelRunner:
             read_cpu_flags(),
             in_place=self.native is not None,
             kv_dtype=kv.dtype,
+            prompt_kernel=self.native is not None
+            and kv.dtype in ("float32", "bfloat16")
+            and mcfg.sliding_window is None
+            and prefill_kernel_fits(
+                mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.block_size
+            ),
         )
         # None where SDPA takes q, k and v as they are (CUDA; float32 on CPU)
         self.prefill_dtype = DTYPES[prefill.dtype] if prefill.dtype == "bfloat16" else None
         # prompt chunks' rows attended by the C kernel with the decode rows (`_in_place`)
         self.prefill_in_place = prefill.dtype == "native"
+        # prompt chunks attended by the C prompt kernel, each through its block table
+        self.prefill_kernels = self.native if prefill.dtype == "flash" else None
         row = mcfg.head_dim + I8_SCALE_BYTES if kv.dtype == "int8" else mcfg.head_dim
         # bytes of K and V for one block across all layers
         block_bytes = (
@@ -213,11 +228,10 @@ class ModelRunner:
             num_threads=self._threads,
             attention=attention
             + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else "")
-            + (
-                f"; prefill attention native, in place ({prefill.reason})"
-                if self.prefill_in_place
-                else f"; prefill attention in {prefill.dtype} ({prefill.reason})"
-            ),
+            + {
+                "native": f"; prefill attention native, in place ({prefill.reason})",
+                "flash": f"; prefill attention by the C prompt kernel, in place ({prefill.reason})",
+            }.get(prefill.dtype, f"; prefill attention in {prefill.dtype} ({prefill.reason})"),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
             linear=linear,
         )
@@ -330,6 +344,10 @@ class ModelRunner:
             last_row.append(row - 1)
             if self.prefill_in_place:  # the chunk's rows join the kernel's (`_in_place`)
                 continue
+            if self.prefill_kernels is not None:  # the chunk and its context read in place
+                table = torch.from_numpy(blocks.astype(np.int32))
+                prefills.append(PrefillChunk(row - n, row, start, None, None, table))
+                continue
             prefills.append(
                 PrefillChunk(
                     start=row - n,
@@ -358,6 +376,7 @@ class ModelRunner:
             in_place=self._in_place(singles + chunks if self.prefill_in_place else singles),
             layer_ops=self._step_layer_ops(),
             prefill_dtype=self.prefill_dtype,
+            prefill_kernels=self.prefill_kernels,
             block_size=bs,
             workspace=self.workspace,
         )

@@ -97,6 +97,10 @@ class PrefillChunk:
     # None for a fresh prompt
     gather_index: torch.Tensor | None
     mask: torch.Tensor | None  # [q, k] bool (None: plain causal over the chunk itself)
+    # [nb] int32: the sequence's blocks covering context + chunk, where the C prompt
+    # kernel reads them in place (AttentionMetadata.prefill_kernels; gather_index and
+    # mask then unused)
+    block_table: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,12 +121,14 @@ class AttentionMetadata:
     # CPU: the dtype prefill attention's q, k and v are cast to for SDPA (None: as they
     # are); its output returns to the activations' dtype (worker.hardware.choose_prefill_attention)
     prefill_dtype: torch.dtype | None = None
+    # CPU: the C prompt kernel, for chunks with a block table (else None)
+    prefill_kernels: NativeKernels | None = None
     # whether a fresh prompt chunk attends to its own K/V through SDPA this step (the C
     # rotary op then returns k and v, else stores them only); derived once per step
     own_kv: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.own_kv = any(p.gather_index is None for p in self.prefills)
+        self.own_kv = any(p.gather_index is None and p.block_table is None for p in self.prefills)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -235,6 +241,19 @@ def paged_attention(
         out[g.start : g.end] = torch.bmm(probs, vg).view(n, H, D)
 
     for p in meta.prefills:
+        if p.block_table is not None:
+            assert meta.prefill_kernels is not None, "a block table is for the C prompt kernel"
+            # float32 in and out: q as the C rotary op made it, else a copy; out's rows
+            # directly where they are float32 (contiguous, as `out` is)
+            qc = q[p.start : p.end].float().contiguous()
+            direct = out.dtype == torch.float32
+            oc = out[p.start : p.end] if direct else torch.empty_like(qc)
+            meta.prefill_kernels.prefill_attention(
+                qc, k_cache, v_cache, p.block_table, p.num_context, oc, scale
+            )
+            if not direct:
+                out[p.start : p.end] = oc
+            continue
         qp = q[p.start : p.end].transpose(0, 1)  # [H, L, D]
         if p.gather_index is None:
             assert k is not None and v is not None, "a fresh prompt chunk attends to its own K/V"

@@ -37,6 +37,7 @@ SOURCES = tuple(
         "small_matmul.c",
         "int16_matmul.c",
         "int16_matmul_vnni.c",
+        "prefill_attention.c",
     )
 )
 HEADERS = tuple(  # included by SOURCES
@@ -49,6 +50,11 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and ou
 # int8 caches hold rows of D values and then their float32 scale: [NB, KVH, BS, D + 4]
 # bytes (worker.model.attention.quantize_rows)
 I8_SCALE_BYTES = 4
+# kernels/prefill_attention.c: the shapes its tiles hold (query heads per KV head, head
+# dim a multiple of 8 up to 128, blocks that divide its chunks of 64 keys)
+PREFILL_MAX_GROUP = 8
+PREFILL_MAX_HEAD_DIM = 128
+PREFILL_KEY_CHUNK = 64
 # kernels/int16_matmul.c: weights rounded to 14 bits per output column, inputs to 13 bits
 # per row and block of INT16_BLOCK inputs
 INT16_WEIGHT_MAX = 8191
@@ -184,6 +190,60 @@ class NativeKernels:
             )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, H, D] float32, contiguous: a prompt chunk's rows
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
+        v_cache: torch.Tensor,  # like k_cache
+        block_table: torch.Tensor,  # [>= cdiv(num_context + T, BS)] int32: the sequence's
+        num_context: int,  # keys cached before the chunk
+        out: torch.Tensor,  # [T, H, D] float32, contiguous
+        scale: float,
+    ) -> None:
+        """Causal attention of a prompt chunk of one sequence over its context and itself,
+        read in place from the cache (the chunk's K/V stored first; kernels/
+        prefill_attention.c), into `out`."""
+        T, H, D = q.shape
+        _, KVH, BS, _ = k_cache.shape
+        _check_cache(k_cache, v_cache, D, "reads")
+        _check_rows(q, out, float32_only=True)
+        _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
+        _expect(k_cache.dtype in KV_DTYPES, "a float32 or bfloat16 cache", k_cache.dtype)
+        blocks = -(-(num_context + T) // BS)
+        _expect(
+            block_table.dtype == torch.int32
+            and block_table.is_contiguous()
+            and block_table.numel() >= blocks,
+            f"an int32 block table of >= {blocks} blocks",
+            block_table,
+        )
+        entry = (
+            self.lib.kvflow_prefill_attention_f32
+            if k_cache.dtype == torch.float32
+            else self.lib.kvflow_prefill_attention_bf16
+        )
+        failed = entry(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_table.data_ptr(),
+            T,
+            num_context,
+            H,
+            KVH,
+            D,
+            BS,
+            out.data_ptr(),
+            ctypes.c_float(scale),
+        )
+        if failed == 2:
+            raise ValueError(
+                f"the prompt attention kernel does not take {H} heads over {KVH} KV heads of "
+                f"{D} in blocks of {BS} (see prefill_kernel_fits)"
+            )
+        if failed:
+            raise MemoryError("prompt attention could not allocate its widened keys")
 
     def rms_norm(
         self,
@@ -416,6 +476,19 @@ def rows_layout(weight: torch.Tensor) -> torch.Tensor:
     return w.view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether kernels/prefill_attention.c's tiles hold these shapes."""
+    group, left = divmod(num_heads, num_kv_heads)
+    return (
+        left == 0
+        and group <= PREFILL_MAX_GROUP
+        and head_dim % 8 == 0
+        and head_dim <= PREFILL_MAX_HEAD_DIM
+        and block_size <= PREFILL_KEY_CHUNK
+        and PREFILL_KEY_CHUNK % block_size == 0
+    )
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
     if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (*KV_DTYPES, torch.int8):
         raise TypeError(
@@ -490,6 +563,9 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     ):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+    for fn in (lib.kvflow_prefill_attention_f32, lib.kvflow_prefill_attention_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_float]
     lib.kvflow_bf16_scores.restype = ctypes.c_int
     lib.kvflow_bf16_scores.argtypes = []
     lib.kvflow_rms_norm.restype = None

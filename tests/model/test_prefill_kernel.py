@@ -1,0 +1,99 @@
+"""The C prompt kernel (kernels/prefill_attention.c) equals causal SDPA over the same keys,
+read in place from scattered cache blocks, and refuses what its tiles do not hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.model.native import load_native, prefill_kernel_fits
+
+
+def _case(T: int, context: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
+    """A chunk of T rows after `context` cached keys: q [T, H, D], the caches with the
+    sequence's blocks scattered among others, its block table (int32)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-(context + T) // bs)
+    num_blocks = blocks + 9
+    k_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=g)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[:blocks].to(torch.int32)
+    q = torch.randn(T, heads, dim, generator=g)
+    return q, k_cache, v_cache, table
+
+
+def _reference(q, k_cache, v_cache, table, context: int, scale: float) -> torch.Tensor:
+    """SDPA over the sequence's keys gathered in order, row i seeing keys 0..context + i."""
+    T, _, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    total = context + T
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [KVH, total, D] float32
+        rows = cache[table.long()].float().permute(1, 0, 2, 3)
+        return rows.reshape(kv_heads, -1, dim)[:, :total]
+
+    mask = torch.arange(total)[None, :] <= torch.arange(context, total)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        gather(k_cache)[None],
+        gather(v_cache)[None],
+        attn_mask=mask[None, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)  # [T, H, D]
+
+
+# Rows around the tile of 8 and chunks of 64 keys, contexts that end mid-block and
+# mid-chunk; head dims that take the 32-value tiles, their 8-value tail, or both; groups
+# of 1 to 8 query heads per KV head.
+@pytest.mark.parametrize(
+    ("T", "context", "heads", "kv_heads", "dim", "bs"),
+    [
+        (1, 0, 9, 3, 64, 16),
+        (7, 0, 9, 3, 64, 16),
+        (9, 5, 9, 3, 64, 16),
+        (64, 0, 9, 3, 64, 16),
+        (65, 63, 9, 3, 64, 16),
+        (130, 100, 9, 3, 64, 16),
+        (17, 33, 4, 2, 16, 4),
+        (40, 3, 4, 4, 40, 8),
+        (23, 70, 8, 1, 128, 64),
+        (12, 0, 32, 8, 64, 32),
+    ],
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_prompt_kernel_equals_causal_sdpa(
+    T: int, context: int, heads: int, kv_heads: int, dim: int, bs: int, cache_dtype: torch.dtype
+) -> None:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
+    assert prefill_kernel_fits(heads, kv_heads, dim, bs)
+    q, k_cache, v_cache, table = _case(T, context, heads, kv_heads, dim, bs, seed=T + context)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scale = dim**-0.5
+    got = torch.full_like(q, float("nan"))
+    loaded.kernels.prefill_attention(q, k_cache, v_cache, table, context, got, scale)
+    want = _reference(q, k_cache, v_cache, table, context, scale)  # on the same values
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_prompt_kernel_refuses_what_its_tiles_do_not_hold() -> None:
+    loaded = load_native()
+    assert loaded.kernels is not None, loaded.reason
+    assert not prefill_kernel_fits(18, 2, 64, 16)  # 9 query heads per KV head
+    assert not prefill_kernel_fits(9, 3, 60, 16)  # head dim not a multiple of 8
+    assert not prefill_kernel_fits(9, 3, 64, 128)  # blocks longer than a chunk of keys
+    assert not prefill_kernel_fits(9, 2, 64, 16)  # heads that do not group
+    q, k_cache, v_cache, table = _case(8, 0, 18, 2, 64, 16, seed=1)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="does not take 18 heads over 2 KV heads"):
+        loaded.kernels.prefill_attention(q, k_cache, v_cache, table, 0, out, 0.125)
+    q, k_cache, v_cache, table = _case(8, 20, 9, 3, 64, 16, seed=2)
+    with pytest.raises(ValueError, match="int32 block table of >= 2 blocks"):
+        loaded.kernels.prefill_attention(
+            q, k_cache, v_cache, table[:1], 20, torch.empty_like(q), 0.125
+        )
+    with pytest.raises(TypeError, match="float32, bfloat16 or int8"):
+        loaded.kernels.prefill_attention(q, k_cache.half(), v_cache.half(), table, 20, q, 0.125)
