@@ -245,8 +245,10 @@ def choose_prefill_attention(
     on an AMD EPYC with AVX2 only one layer's attention of a prompt of 64-512 tokens took
     0.53-0.67x float32 SDPA's time and 128 tokens behind 128 cached ones 0.71-0.76x (a
     bfloat16 or float32 cache, alternating; SDPA without the gather of the context that
-    the engine adds), where the decode kernel's rows had run prompt steps in 0.99-1.01x
-    SDPA's time. Elsewhere (AVX-512 without native bfloat16, unmeasured there: the kernel
+    the engine adds), prompt steps of 4 x 256 and 8 x 256 (behind a cached 128) tokens
+    0.95x and 0.93x, one of 1,024 1.00x, and the long-tail workload ran at 125.7 against
+    121.9 output tok/s (medians of 4 alternating runs: within the noise); the decode
+    kernel's rows had run prompt steps in 0.99-1.01x SDPA's time. Elsewhere (AVX-512 without native bfloat16, unmeasured there: the kernel
     computes in 256-bit vectors, SDPA in 512-bit ones) float32 SDPA. On CUDA attention runs
     in the model's dtype."""
     if requested not in PREFILL_ATTENTION_DTYPES:
