@@ -276,7 +276,7 @@ def choose_prefill_attention(
         return DtypeChoice("bfloat16", "auto: AMX and bfloat16 linear layers")
     if in_place and kv_dtype == linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
         return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")
-    if prompt_kernel and "avx2" in cpu_flags and "avx512f" not in cpu_flags:
+    if prompt_kernel and {"avx2", "fma"} <= cpu_flags and "avx512f" not in cpu_flags:
         return DtypeChoice("flash", "auto: AVX2 without AVX-512, the C prompt kernel in place")
     return DtypeChoice("float32", "auto: the activations' dtype")
 

@@ -128,11 +128,13 @@ def test_logits_match_reference(
         check(runner.all_logits([_sched("a", a, pos, 1, blocks_a)])["a"], ra[pos : pos + 1])
 
 
-@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native"])
+@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native", "flash"])
 def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> None:
     """bf16 linear layers, prefill attention on float32 or bfloat16 copies of q, k and v
-    or through the C kernel from the bfloat16 cache (a prompt in two chunks: the second
-    attends to the first through the cache), stay close to transformers' bf16 model."""
+    or through the C decode or prompt kernel from the bfloat16 cache (a prompt in two
+    chunks: the second attends to the first through the cache; the prompt kernel writes
+    the bfloat16 output projection's input through a float32 copy), stay close to
+    transformers' bf16 model."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("smollm2")
@@ -148,7 +150,11 @@ def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> 
     assert runner.prefill_dtype == (torch.bfloat16 if prefill_attention == "bfloat16" else None)
     native = prefill_attention == "native"
     assert runner.prefill_in_place == native
-    shown = "prefill attention native, in place" if native else f"in {prefill_attention}"
+    assert (runner.prefill_kernels is not None) == (prefill_attention == "flash")
+    shown = {
+        "native": "prefill attention native, in place",
+        "flash": "prefill attention by the C prompt kernel, in place",
+    }.get(prefill_attention, f"in {prefill_attention}")
     assert shown in runner.info.attention
     toks = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     first = runner.all_logits([_sched("x", toks, 0, 12, list(range(5)))])["x"]

@@ -345,6 +345,9 @@ class ModelRunner:
             if self.prefill_in_place:  # the chunk's rows join the kernel's (`_in_place`)
                 continue
             if self.prefill_kernels is not None:  # the chunk and its context read in place
+                if not 0 <= blocks.min() <= blocks.max() < self.info.num_blocks:
+                    # the kernel reads where the table says: a block past the cache is a bug
+                    raise ValueError(f"blocks of {s.request_id!r} outside the cache")
                 table = torch.from_numpy(blocks.astype(np.int32))
                 prefills.append(PrefillChunk(row - n, row, start, None, None, table))
                 continue

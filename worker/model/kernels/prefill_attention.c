@@ -8,10 +8,10 @@
  * KV head (R = G * QT query vectors, scaled once); the keys come in chunks of up to KC,
  * a chunk's K transposed to [D, KC] and its V widened to [KC, D] in float32 once for all
  * R vectors (and so read from the cache once per tile), then
- *   scores  S[R, KC]  = Q[R, D] K^T          (tiles of 4 vectors x 16 keys in registers)
+ *   scores  S[R, KC]  = Q[R, D] K^T          (tiles of 6 vectors x 16 keys in registers)
  *   softmax online over the chunks: each vector's running max m and sum l, its output
  *           rescaled by exp(m_old - m_new) when the max moves (flash attention's update)
- *   values  O[R, D]  += P[R, KC] V[KC, D]    (tiles of 2 vectors x 32 values)
+ *   values  O[R, D]  += P[R, KC] V[KC, D]    (tiles of 3 vectors x 32 values)
  * and O / l is written out. The loops have fixed trip counts inside the tiles so that the
  * compiler keeps the accumulators in vector registers (-O3 -march=native).
  *
@@ -26,6 +26,7 @@
  * Threads: OpenMP over (KV head, tile) pairs, dynamically (a causal tile's work grows
  * with its position).
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -211,7 +212,7 @@ static int prefill(const float *q, const void *k_cache, const void *v_cache, con
             /* vector v = g * rows + t: query head h * G + g of row r0 + t */
             for (int v = 0; v < R; v++) {
                 float *dst = qt + (size_t)v * D;
-                m[v] = -INFINITY;
+                m[v] = -FLT_MAX; /* not -inf: -ffast-math assumes finite values */
                 l[v] = 0.0f;
                 memset(o + (size_t)v * D, 0, (size_t)D * sizeof(float));
                 if (v >= G * rows) { /* padding: a zero query over key 0 only */
@@ -239,7 +240,7 @@ static int prefill(const float *q, const void *k_cache, const void *v_cache, con
                     }
                     float mx = m[v];
                     for (int j = 0; j < see; j++) mx = sv[j] > mx ? sv[j] : mx;
-                    alpha[v] = expf(m[v] - mx); /* exp(-inf) = 0 on the first chunk */
+                    alpha[v] = expf(m[v] - mx); /* 0 on the first chunk */
                     float sum = 0.0f;
                     for (int j = 0; j < see; j++) {
                         sv[j] = expf(sv[j] - mx);
