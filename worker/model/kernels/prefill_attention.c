@@ -129,15 +129,16 @@ static inline void values(const float *p, const float *vf, const float *alpha, c
         for (int d0 = 0; d0 < D; d0 += PD) {
             const int w = D - d0 < PD ? (D - d0) / 8 : PD / 8; /* vectors of 8 values */
 #if KVFLOW_VEC
-            /* 3 x 4 accumulators, 4 value loads a key */
-            __m256 acc[PR][PD / 8];
-            for (int a = 0; a < PR; a++) {
-                const __m256 al = _mm256_set1_ps(alpha[r + a]);
-                for (int c = 0; c < w; c++)
-                    acc[a][c] = _mm256_mul_ps(
-                        al, _mm256_loadu_ps(o + (size_t)(r + a) * D + d0 + 8 * c));
-            }
-            if (w == PD / 8) {
+            /* Two accumulator arrays: one indexed by the runtime width would live in memory
+             * (gcc spilled the full tile's accumulators to the stack every key). */
+            if (w == PD / 8) { /* 3 x 4 accumulators, 4 value loads a key */
+                __m256 acc[PR][PD / 8];
+                for (int a = 0; a < PR; a++) {
+                    const __m256 al = _mm256_set1_ps(alpha[r + a]);
+                    for (int c = 0; c < PD / 8; c++)
+                        acc[a][c] = _mm256_mul_ps(
+                            al, _mm256_loadu_ps(o + (size_t)(r + a) * D + d0 + 8 * c));
+                }
                 for (int j = 0; j < nk; j++) {
                     const float *v = vf + (size_t)j * D + d0;
                     const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
@@ -150,19 +151,24 @@ static inline void values(const float *p, const float *vf, const float *alpha, c
                         acc[a][3] = _mm256_fmadd_ps(pv, v3, acc[a][3]);
                     }
                 }
-            } else { /* the last 8, 16 or 24 values of a row */
-                for (int j = 0; j < nk; j++) {
-                    const float *v = vf + (size_t)j * D + d0;
-                    for (int a = 0; a < PR; a++) {
+                for (int a = 0; a < PR; a++)
+                    for (int c = 0; c < PD / 8; c++)
+                        _mm256_storeu_ps(o + (size_t)(r + a) * D + d0 + 8 * c, acc[a][c]);
+            } else { /* the last 8, 16 or 24 values of a row: through memory, rare */
+                for (int a = 0; a < PR; a++) {
+                    float *dst = o + (size_t)(r + a) * D + d0;
+                    const __m256 al = _mm256_set1_ps(alpha[r + a]);
+                    for (int c = 0; c < w; c++)
+                        _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(al, _mm256_loadu_ps(dst + 8 * c)));
+                    for (int j = 0; j < nk; j++) {
+                        const float *v = vf + (size_t)j * D + d0;
                         const __m256 pv = _mm256_broadcast_ss(p + (size_t)(r + a) * KC + j);
                         for (int c = 0; c < w; c++)
-                            acc[a][c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[a][c]);
+                            _mm256_storeu_ps(dst + 8 * c, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c),
+                                                                      _mm256_loadu_ps(dst + 8 * c)));
                     }
                 }
             }
-            for (int a = 0; a < PR; a++)
-                for (int c = 0; c < w; c++)
-                    _mm256_storeu_ps(o + (size_t)(r + a) * D + d0 + 8 * c, acc[a][c]);
 #else
             for (int a = 0; a < PR; a++) {
                 float *dst = o + (size_t)(r + a) * D + d0;
