@@ -243,11 +243,12 @@ def choose_prefill_attention(
     and 8 prompts of 512 prefilled in 0.74x the time (Intel Xeon with AMX, alternating);
     the kernel was not measured there. On a CPU with AVX2 and no AVX-512 it takes "flash":
     on an AMD EPYC with AVX2 only one layer's attention of a prompt of 64-512 tokens took
-    0.53-0.67x float32 SDPA's time and 128 tokens behind 128 cached ones 0.71-0.76x (a
-    bfloat16 or float32 cache, alternating; SDPA without the gather of the context that
-    the engine adds), prompt steps of 4 x 256 and 8 x 256 (behind a cached 128) tokens
-    0.95x and 0.93x, one of 1,024 1.00x, and the long-tail workload ran at 125.7 against
-    121.9 output tok/s (medians of 4 alternating runs: within the noise); the decode
+    0.56-0.73x float32 SDPA's time, 128 or 512 behind as many cached ones 0.70-0.80x, 1,024
+    tokens 0.86x (a bfloat16 or float32 cache, alternating; SDPA without the gather of the
+    context that the engine adds). Before its value tile kept its accumulators in
+    registers, prompt steps of 4 x 256 and 8 x 256 (behind a cached 128) tokens took 0.95x
+    and 0.93x, one of 1,024 1.00x, and the long-tail workload ran at 125.7 against 121.9
+    output tok/s (medians of 4 alternating runs: within the noise); the decode
     kernel's rows had run prompt steps in 0.99-1.01x SDPA's time. Elsewhere (AVX-512 without native bfloat16, unmeasured there: the kernel
     computes in 256-bit vectors, SDPA in 512-bit ones) float32 SDPA. On CUDA attention runs
     in the model's dtype."""
