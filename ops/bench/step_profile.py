@@ -274,8 +274,7 @@ def profile_prompt(engine: LLMEngine, prompts: int, tokens: int, steps: int = 5)
             raise RuntimeError(
                 f"the step prefilled {stats and stats.num_prefill_tokens} of {rows} tokens"
             )
-        while engine.scheduler.requests:  # one token each: done, or aborted if not
-            engine.abort(list(engine.scheduler.requests))
+        engine.abort(list(engine.scheduler.requests))  # one token each: done already, if not
         if step == 0:
             continue
         totals = {k: v * 1000 for k, v in timers.totals.items()}
