@@ -4,7 +4,9 @@
     python ops/bench/step_profile.py --compare-layer-ops   # C layer ops vs torch ops
     python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
     python ops/bench/step_profile.py --linear int16 --compare-int16  # int16 vs float32
+    python ops/bench/step_profile.py --compare-rows-kernel   # C row kernel vs oneDNN
     python ops/bench/step_profile.py --prompts 1x256,8x256  # prompt steps instead
+    python ops/bench/step_profile.py --compare-prefill 8x256,4x256+128  # prompt attention paths
 
 `profile_prompt` does the same for prompt steps: fresh prompts prefilled in one step each,
 split by the same timers, against the linear layers alone at the step's rows.
@@ -140,6 +142,10 @@ def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[
 
 def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
     """`batch` requests with `context`-token prompts, all prefilled, ready to decode."""
+    if batch > engine.config.max_num_seqs:
+        raise ValueError(
+            f"batch {batch} exceeds the engine's max_num_seqs {engine.config.max_num_seqs}"
+        )
     g = torch.Generator().manual_seed(batch)
     vocab = engine.info.vocab_size
     for i in range(batch):
@@ -323,9 +329,10 @@ Layer = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 def _linear_layers(engine: LLMEngine, batch: int, head_rows: int | None = None) -> list[Layer]:
     """The model's linear layers (decoder layers + output projection), each with a random
     [batch, in] input in its own dtype (float32 into int8 layers); the output projection's
-    [head_rows, in] (default `batch`: a decode step's logits)."""
+    [head_rows, in] (default `batch`: a decode step's logits). Each runs its matmul as a
+    step runs it: int16 products and the C row kernel go through the C layer ops."""
     model = engine.runner.model
-    ops = engine.runner.layer_ops  # the int16 products run only through the C layer ops
+    ops = engine.runner.layer_ops
     head_rows = batch if head_rows is None else head_rows
     head_modules = set(model.narrow_head.modules()) if model.narrow_head is not None else set()
     layers: list[Layer] = []
@@ -333,7 +340,7 @@ def _linear_layers(engine: LLMEngine, batch: int, head_rows: int | None = None) 
         n = head_rows if m in head_modules else batch
         if isinstance(m, llama_mod.Linear):  # its own matmul: packed, plain or int16
             w = m.weight
-            fn = partial(m.matmul, ops=ops) if m.int16_weight is not None else m.matmul
+            fn = partial(m.matmul, tokens=n, ops=ops)
             layers.append((torch.randn(m.rows_for(n), w.shape[1], dtype=w.dtype), fn))
         elif isinstance(m, quant_mod.Int8Linear):  # float32 in, the module's own steps
             layers.append((torch.randn(n, m.in_features), m))
@@ -470,6 +477,29 @@ def _ratio_row(batch: int, med: dict[str, float], alone: dict[str, float]) -> st
     )
 
 
+def _ratio_table(
+    engine: LLMEngine,
+    batches: tuple[int, ...],
+    variants: dict[str, Callable[[], None]],
+    rounds: int,
+    restore: Callable[[], None],
+) -> str:
+    """`_ratio_row` for each batch size, the two variants' names in the header; `restore`
+    puts the engine back as it was, whatever happens."""
+    a, b = variants
+    lines = [
+        f"| batch | step, {a} (ms) | step, {b} (ms) | {a} / {b} "
+        f"| linear layers alone, {a} (ms) | {b} (ms) | {a} / {b} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    try:
+        for batch in batches:
+            lines.append(_ratio_row(batch, *_steps_and_passes(engine, batch, variants, rounds)))
+    finally:
+        restore()
+    return "\n".join(lines)
+
+
 def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
     """Decode steps with the linear weights packed for oneDNN and with torch's plain
     matmul, alternating step by step (both copies of the weights held, swapped untimed);
@@ -482,6 +512,9 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
         pack_linear_layers(model, "onednn", device)
     except ValueError as e:
         return f"(nothing to compare: {e})"
+    rows_weights = _rows_weights(engine)  # oneDNN against torch: the row kernel set aside
+    for m in rows_weights:
+        m.rows_weight = None
     weights: dict[str, list[tuple[llama_mod.Linear, torch.nn.Parameter]]] = {}
     for choice in ("onednn", "torch"):
         pack_linear_layers(model, choice, device)
@@ -496,19 +529,45 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
 
         return setup
 
-    lines = [
-        "| batch | step, packed (ms) | step, plain (ms) | packed / plain "
-        "| linear layers alone, packed (ms) | plain (ms) | packed / plain |"
-    ]
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
-    variants = {"packed": use("onednn"), "plain": use("torch")}
-    try:
-        for batch in batches:
-            lines.append(_ratio_row(batch, *_steps_and_passes(engine, batch, variants, rounds)))
-    finally:
+    def restore() -> None:
         use("torch")()
         pack_linear_layers(model, chosen, device)
-    return f"Decode step and linear layers alone, medians of {rounds} each:\n\n" + "\n".join(lines)
+        for m, w in rows_weights.items():
+            m.rows_weight = w
+
+    variants = {"packed": use("onednn"), "plain": use("torch")}
+    table = _ratio_table(engine, batches, variants, rounds, restore)
+    return f"Decode step and linear layers alone, medians of {rounds} each:\n\n" + table
+
+
+def _rows_weights(engine: LLMEngine) -> dict[llama_mod.Linear, torch.Tensor]:
+    """The C row kernel's copies of the weights, by layer (none where it is not built)."""
+    return {
+        m: m.rows_weight
+        for m in engine.runner.model.modules()
+        if isinstance(m, llama_mod.Linear) and m.rows_weight is not None
+    }
+
+
+def compare_rows_kernel(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
+    """Decode steps with the linear layers through the C row kernel (kernels/
+    small_matmul.c) and through oneDNN's packed matmul, alternating step by step (the
+    kernel's copies of the weights dropped and put back, untimed); then passes of the
+    linear layers alone at the same batch, alternating likewise."""
+    held = _rows_weights(engine)
+    if not held:
+        return "(nothing to compare: no C row kernel here; it needs avx512_bf16 without AMX)"
+
+    def use(kernel: bool) -> Callable[[], None]:
+        def setup() -> None:
+            for m, w in held.items():
+                m.rows_weight = w if kernel else None
+
+        return setup
+
+    variants = {"row kernel": use(True), "oneDNN": use(False)}
+    table = _ratio_table(engine, batches, variants, rounds, use(True))
+    return f"Decode step and linear layers alone, medians of {rounds} each:\n\n" + table
 
 
 def compare_int16(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
@@ -535,20 +594,116 @@ def compare_int16(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20)
 
         return setup
 
-    lines = [
-        "| batch | step, int16 (ms) | step, float32 (ms) | int16 / float32 "
-        "| linear layers alone, int16 (ms) | float32 (ms) | int16 / float32 |"
-    ]
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
     variants = {"int16": use(True), "float32": use(False)}
-    try:
-        for batch in batches:
-            lines.append(_ratio_row(batch, *_steps_and_passes(engine, batch, variants, rounds)))
-    finally:
-        use(True)()
+    table = _ratio_table(engine, batches, variants, rounds, use(True))
     return (
         f"Decode step and linear layers alone (the output projection as configured in "
-        f"both), medians of {rounds} each:\n\n" + "\n".join(lines)
+        f"both), medians of {rounds} each:\n\n" + table
+    )
+
+
+PREFILL_VARIANTS = ("native", "flash", "float32", "bfloat16")
+
+
+def _prefill_setting(engine: LLMEngine, name: str) -> Callable[[], None]:
+    """Sets the runner's prompt attention as `--prefill-attention name` would have (the
+    three fields it derives from that choice at start-up)."""
+    runner = engine.runner
+
+    def setup() -> None:
+        runner.prefill_in_place = name == "native"
+        runner.prefill_kernels = runner.native if name == "flash" else None
+        runner.prefill_dtype = torch.bfloat16 if name == "bfloat16" else None
+
+    return setup
+
+
+def _prefill_shape(text: str) -> tuple[int, int, int]:
+    """ "8x256" -> (8, 256, 0); "4x256+128" -> (4, 256, 128)."""
+    shape, _, cached = text.partition("+")
+    prompts, tokens = shape.split("x")
+    return int(prompts), int(tokens), int(cached or 0)
+
+
+def compare_prefill(
+    engine: LLMEngine,
+    shapes: Sequence[tuple[int, int, int]],
+    variants: Sequence[str] = PREFILL_VARIANTS,
+    rounds: int = 8,
+) -> str:
+    """Prompt steps with each prompt-attention path, alternating step by step in this one
+    engine (so that all see the same moments of the machine): for each (prompts, tokens,
+    cached) shape, `rounds` steps per variant of `prompts` fresh prompts of `tokens` new
+    tokens, each behind the same `cached` tokens already in the prefix cache (a fresh
+    opening per step, prefilled untimed just before). Median ms per step and its ratio to
+    the first variant's."""
+    runner = engine.runner
+    saved = (runner.prefill_in_place, runner.prefill_kernels, runner.prefill_dtype)
+    bs = engine.info.block_size
+    vocab = engine.info.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    # the C paths need the runner's kernels (and "flash" a float32 or bfloat16 cache)
+    usable = [
+        v
+        for v in variants
+        if v not in ("native", "flash")
+        or (
+            runner.native is not None
+            and (v == "native" or runner.kv_dtype in (torch.float32, torch.bfloat16))
+        )
+    ]
+    lines = [
+        "| prompts x tokens (+ cached) | "
+        + " | ".join(f"{v} (ms)" for v in usable)
+        + " | "
+        + " | ".join(f"{v} / {usable[0]}" for v in usable[1:])
+        + " |",
+        "|---|" + "---:|" * (2 * len(usable) - 1),
+    ]
+    try:
+        for prompts, tokens, cached in shapes:
+            if cached % bs:
+                raise ValueError(f"cached tokens must be a multiple of the block size {bs}")
+            g = torch.Generator().manual_seed(prompts * 10_000 + tokens + cached)
+            times: dict[str, list[float]] = {v: [] for v in usable}
+            for step in range(rounds + 1):  # the first round warms up: not counted
+                for name in usable:
+                    opening = torch.randint(100, vocab, (cached,), generator=g).tolist()
+                    if cached:  # the opening's blocks into the prefix cache, untimed
+                        engine.add_request(f"open-{step}-{name}", [*opening, 100], params)
+                        while engine.scheduler.requests:
+                            engine.step()
+                    for i in range(prompts):
+                        new = torch.randint(100, vocab, (tokens,), generator=g).tolist()
+                        engine.add_request(f"cmp-{step}-{name}-{i}", opening + new, params)
+                    _prefill_setting(engine, name)()
+                    t0 = time.perf_counter()
+                    engine.step()
+                    wall = (time.perf_counter() - t0) * 1000
+                    stats = engine.last_stats
+                    engine.abort(list(engine.scheduler.requests))
+                    if stats is None or stats.num_prefill_tokens != prompts * tokens:
+                        raise RuntimeError(
+                            f"the step prefilled {stats and stats.num_prefill_tokens} of "
+                            f"{prompts * tokens} new tokens (token budget, or the prefix cache "
+                            "missed the opening)"
+                        )
+                    if step:
+                        times[name].append(wall)
+            med = {v: statistics.median(t) for v, t in times.items()}
+            label = f"{prompts} x {tokens}" + (f" (+ {cached})" if cached else "")
+            lines.append(
+                f"| {label} | "
+                + " | ".join(f"{med[v]:.1f}" for v in usable)
+                + " | "
+                + " | ".join(f"{med[v] / med[usable[0]]:.2f}x" for v in usable[1:])
+                + " |"
+            )
+    finally:
+        runner.prefill_in_place, runner.prefill_kernels, runner.prefill_dtype = saved
+    return (
+        f"Prompt steps by prefill attention, medians of {rounds} alternating steps each:\n\n"
+        + "\n".join(lines)
     )
 
 
@@ -620,6 +775,12 @@ def main() -> None:
         help="only time decode steps with packed linear weights against torch's plain matmul",
     )
     ap.add_argument(
+        "--compare-rows-kernel",
+        action="store_true",
+        help="only time decode steps with the linear layers through the C row kernel "
+        "against oneDNN's packed matmul",
+    )
+    ap.add_argument(
         "--compare-int16",
         action="store_true",
         help="only time decode steps with int16 linear layers against float32 (oneDNN); "
@@ -629,6 +790,12 @@ def main() -> None:
         "--prompts",
         default="",
         help="only profile prompt steps, e.g. 1x256,8x256 (prompts x tokens in one step)",
+    )
+    ap.add_argument(
+        "--compare-prefill",
+        default="",
+        help="only time prompt steps with each prefill attention path, alternating, e.g. "
+        "8x256,4x256+128 (prompts x new tokens, + tokens cached before them)",
     )
     ap.add_argument(
         "--torch-profiler",
@@ -654,6 +821,9 @@ def main() -> None:
     if args.compare_layer_ops:
         print(compare_layer_ops(engine))
         return
+    if args.compare_prefill:
+        print(compare_prefill(engine, [_prefill_shape(p) for p in args.compare_prefill.split(",")]))
+        return
     if args.prompts:
         shapes = [tuple(int(v) for v in p.split("x")) for p in args.prompts.split(",")]
         prompt_rows = []
@@ -668,6 +838,9 @@ def main() -> None:
         return
     if args.compare_int16:
         print(compare_int16(engine, batches))
+        return
+    if args.compare_rows_kernel:
+        print(compare_rows_kernel(engine, batches))
         return
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
     print(table(rows, limit_label(engine)))

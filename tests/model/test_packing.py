@@ -112,13 +112,13 @@ def test_the_runner_packs_the_decoder_and_the_narrow_head_only(default_model_dir
     if BF16_PACKS:  # float32 layers loaded so have no narrow head
         assert isinstance(model.narrow_head, Linear) and model.narrow_head.packed
         heads = 1
-    packed, few_rows = runner.info.linear.split("; ")
+    packed, row_kernel = runner.info.linear.split("; ")
     assert packed == f"oneDNN, {len(decoder) + heads} weights packed at load"
-    # decode steps of few sequences: the C kernel's own copy of the decoder's weights
+    # decode steps and short prompt chunks: the C row kernel's own copy of the weights
     native = runner.native
-    assert ("C kernel for few rows" in few_rows) == (
-        native is not None and native.matmul_rows_max > 0
-    ), few_rows
+    assert ("C row kernel" in row_kernel) == (native is not None and native.matmul_rows_built), (
+        row_kernel
+    )
 
 
 @needs_onednn

@@ -1,6 +1,7 @@
-"""The C kernel for linear layers of few rows (decode steps of few sequences): it equals
-the matmul it replaces, runs only where it was built for, and the Linear takes it only
-for few real rows."""
+"""The C row kernel for bfloat16 linear layers of up to a few hundred rows (decode steps,
+short prompt chunks): it equals the matmul it replaces at every tile edge, gives a row the
+same result whatever else is in the batch, runs only where it was built for, and the
+Linear takes it only up to ROWS_KERNEL_MAX real rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from worker.hardware import read_cpu_flags
-from worker.model.llama import SMALL_ROWS, Linear, LlamaForCausalLM
+from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
 from worker.model.native import NativeKernels, load_native, rows_layout
 from worker.model.packing import attach_rows_weights
 
@@ -26,7 +27,7 @@ def _built_here() -> bool:
 
 
 def test_the_kernel_is_built_where_the_cpu_has_avx512_bf16_without_amx(ops: NativeKernels) -> None:
-    assert ops.matmul_rows_max == (16 if _built_here() else 0)
+    assert ops.matmul_rows_built == _built_here()
 
 
 def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
@@ -40,11 +41,13 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
         rows_layout(torch.zeros(24, 6))
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 8, 16])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (64, 48)])
+# Row counts at and around the tiles' edges (tiles of 4 rows), and column counts whose
+# halves (one a thread) end in a full tile of 6 blocks of 16 or in a part of one.
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 16, 37, 64, 130])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13)])
 def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, n: int) -> None:
     if not _built_here():  # the other CPUs: the kernel says so rather than computing
-        assert ops.matmul_rows_max == 0
+        assert not ops.matmul_rows_built
         return
     g = torch.Generator().manual_seed(tokens * 7 + k + n)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
@@ -59,16 +62,47 @@ def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, 
     torch.testing.assert_close(got[:tokens].float(), want, rtol=8e-3, atol=1e-3)
 
 
+def test_a_row_gets_the_same_result_whatever_else_is_in_the_batch(ops: NativeKernels) -> None:
+    """Each output is one sum in one order whatever the tile, the row count or the thread
+    that computes it: a sequence's logits do not move with the batch it decodes in."""
+    if not _built_here():
+        assert not ops.matmul_rows_built
+        return
+    g = torch.Generator().manual_seed(11)
+    w = rows_layout((torch.randn(960, 576, generator=g) * 0.05).bfloat16())
+    x = torch.randn(67, 576, generator=g).bfloat16()
+    whole = ops.matmul_rows(x, w, 67)
+    for row in (0, 5, 33, 66):
+        alone = ops.matmul_rows(x[row : row + 1].contiguous(), w, 1)
+        assert torch.equal(alone[0], whole[row])
+    assert torch.equal(ops.matmul_rows(x[:9].contiguous(), w, 9), whole[:9])
+
+
+def test_a_nan_input_gives_nan_outputs_in_its_row_only(ops: NativeKernels) -> None:
+    if not _built_here():
+        assert not ops.matmul_rows_built
+        return
+    g = torch.Generator().manual_seed(12)
+    w = rows_layout((torch.randn(96, 64, generator=g) * 0.05).bfloat16())
+    x = torch.randn(6, 64, generator=g).bfloat16()
+    x[2, 7] = float("nan")
+    got = ops.matmul_rows(x, w, 6)
+    assert bool(got[2].isnan().all())
+    assert not bool(got[[0, 1, 3, 4, 5]].isnan().any())
+
+
 def test_matmul_rows_refuses_what_it_cannot_take(ops: NativeKernels) -> None:
     if not _built_here():
-        assert ops.matmul_rows_max == 0
+        assert not ops.matmul_rows_built
+        with pytest.raises(ValueError, match="not built for this CPU"):
+            ops.matmul_rows(torch.randn(8, 64).bfloat16(), rows_layout(torch.randn(32, 64)), 4)
         return
     w = rows_layout(torch.randn(32, 64))
     x = torch.randn(8, 64).bfloat16()
-    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.8 rows"):
         ops.matmul_rows(x, w, 0)
-    with pytest.raises(ValueError, match=r"1\.\.16 rows"):
-        ops.matmul_rows(torch.randn(20, 64).bfloat16(), w, 17)
+    with pytest.raises(ValueError, match=r"1\.\.8 rows"):
+        ops.matmul_rows(x, w, 9)
     with pytest.raises(ValueError, match="rows layout"):
         ops.matmul_rows(torch.randn(8, 32).bfloat16(), w, 4)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
@@ -76,29 +110,30 @@ def test_matmul_rows_refuses_what_it_cannot_take(ops: NativeKernels) -> None:
 
 
 class _Refusing:
-    """Stands in for the kernels where a test needs to know the few-rows path was not taken."""
+    """Stands in for the kernels where a test needs to know the row kernel was not taken."""
 
     def matmul_rows(self, *args: object) -> torch.Tensor:
-        raise AssertionError("the few-rows kernel was called")
+        raise AssertionError("the row kernel was called")
 
 
-def test_linear_takes_the_kernel_for_few_real_rows_only(ops: NativeKernels) -> None:
+def test_linear_takes_the_kernel_up_to_its_row_limit_only(ops: NativeKernels) -> None:
     g = torch.Generator().manual_seed(5)
-    m = Linear(576, 960)
-    m.weight = torch.nn.Parameter((torch.randn(960, 576, generator=g) * 0.05).bfloat16())
-    x = torch.zeros(16, 576, dtype=torch.bfloat16)
-    x[:12] = torch.randn(12, 576, generator=g).bfloat16()
+    m = Linear(64, 96)
+    m.weight = torch.nn.Parameter((torch.randn(96, 64, generator=g) * 0.05).bfloat16())
+    rows = ROWS_KERNEL_MAX + 8
+    x = torch.zeros(rows, 64, dtype=torch.bfloat16)
+    x[:12] = torch.randn(12, 64, generator=g).bfloat16()
     plain = m.matmul(x)
     refusing: NativeKernels = _Refusing()  # type: ignore[assignment]
-    # no copy in the kernel's layout, or more than SMALL_ROWS real rows: the plain matmul
+    # no copy in the kernel's layout, or more than ROWS_KERNEL_MAX real rows: the plain matmul
     assert torch.equal(m.matmul(x, 4, refusing), plain)
     m.rows_weight = rows_layout(m.weight)
-    assert torch.equal(m.matmul(x, SMALL_ROWS + 1, refusing), plain)
+    assert torch.equal(m.matmul(x, ROWS_KERNEL_MAX + 1, refusing), plain)
     assert torch.equal(m.matmul(x, None, refusing), plain)
     if _built_here():
-        few = m.matmul(x[:8], 4, ops)
-        assert torch.count_nonzero(few[4:]) == 0
-        torch.testing.assert_close(few[:4].float(), plain[:4].float(), rtol=8e-3, atol=1e-3)
+        got = m.matmul(x, 12, ops)  # 12 real rows of `rows`: the kernel, padding zeroed
+        assert got.shape == plain.shape and torch.count_nonzero(got[12:]) == 0
+        torch.testing.assert_close(got[:12].float(), plain[:12].float(), rtol=8e-3, atol=1e-3)
 
 
 def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_model_dir) -> None:
@@ -109,7 +144,7 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
     said = attach_rows_weights(model, ops)
     linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
     if _built_here():
-        assert "C kernel for few rows" in said
+        assert "C row kernel" in said
         takes = [m for m in linears if m.weight.shape[0] % 16 == 0 and m.bias is None]
         assert takes, "the tiny model's layers are shaped for the kernel"
         for m in linears:
@@ -119,14 +154,14 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
             else:
                 assert m.rows_weight is None
     else:
-        assert said.startswith("no kernel for few rows") and "avx512_bf16" in said
+        assert said.startswith("no C row kernel") and "avx512_bf16" in said
         assert all(m.rows_weight is None for m in linears)
     # without the kernels (no C compiler, or the torch ops chosen) no copies are kept
-    assert attach_rows_weights(model, None).startswith("no kernel for few rows")
+    assert attach_rows_weights(model, None).startswith("no C row kernel")
     assert all(m.rows_weight is None for m in linears)
 
 
-def test_the_narrow_output_projection_takes_the_kernel_for_few_rows(
+def test_the_narrow_output_projection_takes_the_row_kernel(
     ops: NativeKernels, tiny_model_dir
 ) -> None:
     from worker.model.loader import load_model
@@ -147,5 +182,5 @@ def test_the_narrow_output_projection_takes_the_kernel_for_few_rows(
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     refusing: NativeKernels = _Refusing()  # type: ignore[assignment]
-    many = torch.randn(SMALL_ROWS + 1, model.config.hidden_size)
+    many = torch.randn(ROWS_KERNEL_MAX + 1, model.config.hidden_size)
     torch.testing.assert_close(model.compute_logits(many, refusing), model.compute_logits(many))

@@ -152,11 +152,11 @@ class ModelRunner:
         done = attach_int16_weights(self.model, lanes if int16 is not None else 0)
         if int16 is not None:
             linear = f"{done} ({int16.reason})"
-        # decode steps of few sequences: the linear layers through the C kernel for few
-        # rows (worker.model.llama.SMALL_ROWS), whose weights' copy is made here
-        few_rows = attach_rows_weights(self.model, step_ops)
+        # decode steps and short prompt chunks: the linear layers through the C row
+        # kernel (worker.model.llama.ROWS_KERNEL_MAX), whose weights' copy is made here
+        row_kernel = attach_rows_weights(self.model, step_ops)
         if step_ops is not None and int16 is None:
-            linear += f"; {few_rows}"
+            linear += f"; {row_kernel}"
         kv = choose_kv_dtype(
             config.kv_cache_dtype,
             self.device.type,

@@ -23,13 +23,16 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
 
 # Candidates per row scored again at full precision behind a narrow output projection.
 RESCORED = 16
-# Linear layers of at most this many rows (decode steps of few sequences) run through
-# the C kernel for few rows where the layer holds a copy of its weight in that kernel's
-# layout (`Linear.rows_weight`, worker.model.packing.attach_rows_weights). The default
-# model's layers, 2 threads, AMD EPYC Zen 4, against oneDNN's packed matmul: 0.46x /
-# 0.55-0.63x / 0.72-0.84x / 0.97-1.03x the time at 1 / 4 / 8 / 16 rows (weights streaming
-# from memory; two runs); decode steps 0.60x / 0.71x / 0.86-0.92x at batch 1 / 4 / 8.
-SMALL_ROWS = 8
+# Linear layers of at most this many rows (decode steps, short prompt chunks) run through
+# the C bfloat16 kernel (kernels/small_matmul.c) where the layer holds a copy of its weight
+# in that kernel's layout (`Linear.rows_weight`, worker.model.packing.attach_rows_weights).
+# The default model's decoder layers, 2 threads, AMD EPYC Zen 4, against oneDNN's packed
+# matmul, alone: 0.48-0.56x the time at 1-2 rows (weights streaming from memory),
+# 0.59-0.78x at 4-16, 0.78-0.90x at 24-64, 0.87-0.91x at 96-128; decode steps 0.78x /
+# 0.84x / 0.88x / 0.90x at batch 8 / 16 / 32 / 64, a prompt step of 128 tokens 0.88x. From
+# 256 rows on, prompt steps took the same time either way (0.99-1.03x at 256-1,024): oneDNN
+# keeps them.
+ROWS_KERNEL_MAX = 128
 # Below this hidden size a narrow output projection costs more than it saves: its
 # fixed part (widening [S, V] logits, picking candidates) stays while the matmul it
 # shortens shrinks with the hidden size. Batch 64, vocabulary 49152, one thread (Intel
@@ -57,7 +60,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # the same weight in the few-rows kernel's layout (worker.model.native.rows_layout),
+        # the same weight in the C row kernel's layout (worker.model.native.rows_layout),
         # or None: see `matmul`
         self.rows_weight: torch.Tensor | None = None
         # a float32 weight rounded for 16-bit integer products (worker.model.native.
@@ -114,9 +117,9 @@ class Linear(nn.Module):
     ) -> torch.Tensor:
         """[R, in] already in the weights' dtype (with `rows_for` rows where the weights are
         narrower than float32) -> [R, out], same dtype. Where the caller says only the first
-        `tokens` rows are real (the rest padding), at most SMALL_ROWS of them, and passes
-        the C kernels, a layer holding `rows_weight` computes them with the kernel for few
-        rows (padding rows zeroed, as the padded matmul leaves them). With the C kernels a
+        `tokens` rows are real (the rest padding), at most ROWS_KERNEL_MAX of them, and passes
+        the C kernels, a layer holding `rows_weight` computes them with the C row kernel
+        (padding rows zeroed, as the padded matmul leaves them). With the C kernels a
         float32 layer holding `int16_weight` computes all its rows as 16-bit integer
         products (its weight is plain then: no padding rows)."""
         if ops is not None and self.int16_weight is not None:
@@ -125,7 +128,7 @@ class Linear(nn.Module):
             ops is not None
             and self.rows_weight is not None
             and tokens is not None
-            and tokens <= SMALL_ROWS
+            and tokens <= ROWS_KERNEL_MAX
         ):
             return ops.matmul_rows(xp, self.rows_weight, tokens)
         if self.packed:
@@ -394,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         self, hidden: torch.Tensor, ops: NativeKernels | None = None
     ) -> torch.Tensor:
         """[S, C] hidden states of the positions that sample -> [S, V] float32 logits; with
-        `ops`, a narrow head holding `rows_weight` takes the C kernel for few rows."""
+        `ops`, a narrow head holding `rows_weight` takes the C row kernel."""
         h = self.norm(hidden)
         if self.float_head is not None:
             return F.linear(h.float(), self.float_head)

@@ -357,10 +357,10 @@ class NativeKernels:
         return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
 
     @functools.cached_property
-    def matmul_rows_max(self) -> int:
-        """The most rows `matmul_rows` takes: 16 where the library was built for a CPU with
-        avx512_bf16 and no AMX, else 0 (the kernel is not there)."""
-        return int(self.lib.kvflow_matmul_rows_max())
+    def matmul_rows_built(self) -> bool:
+        """Whether `matmul_rows` is built: where the library was built for a CPU with
+        avx512_bf16 and no AMX."""
+        return bool(self.lib.kvflow_matmul_rows_built())
 
     @functools.cached_property
     def int16_lanes(self) -> int:
@@ -421,8 +421,8 @@ class NativeKernels:
         tokens: int,
     ) -> torch.Tensor:
         """x @ W.T for the first `tokens` rows of x -> [R, N] bfloat16, the padding rows
-        zeroed (kernels/small_matmul.c): a linear layer of a few rows, W laid out once by
-        `rows_layout`."""
+        zeroed (kernels/small_matmul.c): a linear layer of up to a few hundred rows, W laid
+        out once by `rows_layout`."""
         R, K = x.shape
         blocks, pairs = weight.shape[0], weight.shape[1]
         _expect(x.dtype == torch.bfloat16 and x.is_contiguous(), "contiguous bfloat16 rows", x)
@@ -434,15 +434,17 @@ class NativeKernels:
             f"a weight in rows layout [N / 16, {K // 2}, 16, 2] bfloat16",
             weight,
         )
-        _expect(
-            1 <= tokens <= min(R, self.matmul_rows_max), f"1..{self.matmul_rows_max} rows", tokens
-        )
+        if not self.matmul_rows_built:
+            raise ValueError(
+                "the row kernel is not built for this CPU (it needs avx512_bf16, no AMX)"
+            )
+        _expect(1 <= tokens <= R, f"1..{R} rows", tokens)
         out = torch.empty((R, 16 * blocks), dtype=torch.bfloat16)
         failed = self.lib.kvflow_matmul_rows_bf16(
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), tokens, R, 16 * blocks, K
         )
         if failed:
-            raise ValueError(f"the few-rows matmul refused {tokens} rows of {K} (code {failed})")
+            raise ValueError(f"the row kernel refused {tokens} rows of {K} (code {failed})")
         return out
 
 
@@ -578,8 +580,8 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9
     lib.kvflow_matmul_rows_bf16.restype = ctypes.c_int
     lib.kvflow_matmul_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    lib.kvflow_matmul_rows_max.restype = ctypes.c_int
-    lib.kvflow_matmul_rows_max.argtypes = []
+    lib.kvflow_matmul_rows_built.restype = ctypes.c_int
+    lib.kvflow_matmul_rows_built.argtypes = []
     lib.kvflow_linear_i16.restype = ctypes.c_int
     lib.kvflow_linear_i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.kvflow_linear_i16_lanes.restype = ctypes.c_int

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.llama import SMALL_ROWS, Linear, LlamaForCausalLM
+from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
 from worker.model.native import NativeKernels, int16_layout, rows_layout
 
 # The row count oneDNN picks the blocked layout for: a full decode batch. Any row count
 # runs on the packed weight.
 PACK_ROWS = 64
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-# The few-rows kernel's copy of the weights (decoder and narrow head) is kept only up to
+# The C row kernel's copy of the weights (decoder and narrow head) is kept only up to
 # this size: it doubles the memory those linear layers take.
 ROWS_COPY_MAX_BYTES = 1 << 30
 
@@ -66,15 +66,15 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
 def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str:
     """Give each of the decoder's bfloat16 Linears and the output projection's narrow copy
     (no bias, out a multiple of 16, in even) a copy of its weight in the layout of the C
-    kernel for few rows (`Linear.matmul`), where the kernel is built (a CPU with avx512_bf16
+    row kernel (`Linear.matmul`), where the kernel is built (a CPU with avx512_bf16
     and no AMX) and the copies fit ROWS_COPY_MAX_BYTES; else drop any such copies. Returns
     what was done, for the start-up log. A second copy, not a view: oneDNN's packed weight
     is opaque outside oneDNN."""
     linears = _linears(model)
     for m in linears:
         m.rows_weight = None
-    if kernels is None or kernels.matmul_rows_max < SMALL_ROWS:
-        return "no kernel for few rows (it needs avx512_bf16 without AMX, and the C layer ops)"
+    if kernels is None or not kernels.matmul_rows_built:
+        return "no C row kernel (it needs avx512_bf16 without AMX, and the C layer ops)"
     targets = [
         m
         for m in linears
@@ -86,12 +86,12 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     size = sum(m.weight.shape[0] * m.weight.shape[1] * 2 for m in targets)
     if not targets or size > ROWS_COPY_MAX_BYTES:
         why = "no bfloat16 layers it takes" if not targets else f"{size >> 20} MB of weights"
-        return f"no kernel for few rows ({why})"
+        return f"no C row kernel ({why})"
     for m in targets:
         plain = m.weight.to_dense() if m.packed else m.weight
         m.rows_weight = rows_layout(plain)
     return (
-        f"at <= {SMALL_ROWS} rows the C kernel for few rows, over a second copy of "
+        f"at <= {ROWS_KERNEL_MAX} rows the C row kernel, over a second copy of "
         f"{len(targets)} weights ({size >> 20} MB)"
     )
 

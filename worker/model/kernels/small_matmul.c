@@ -1,21 +1,26 @@
-/* Linear layers of a few rows (decode steps of few sequences) in bfloat16 (CPU).
+/* Linear layers of up to a few hundred rows (decode steps) in bfloat16 (CPU).
  *
  * A decode step of a few sequences reads every weight once for a few rows of input: it is
  * the weights' stream, and oneDNN's packed matmul streamed them at 8-18 GB/s at 1-16 rows
- * where this machine reads memory at 28-29 GB/s (AMD EPYC Zen 4, 2 threads). Here the
- * weights are laid out for vdpbf16ps with the output columns in the vector lanes, so a
- * block of 16 columns is one contiguous stream and no sum across lanes is needed:
+ * where this machine reads memory at 28-29 GB/s (AMD EPYC Zen 4, 2 threads); from 16 to a
+ * few hundred rows it is arithmetic, where oneDNN reached 60-85% of what this kernel does.
+ * The weights are laid out for vdpbf16ps with the output columns in the vector lanes, so
+ * a block of 16 columns is one contiguous stream and no sum across lanes is needed:
  *
  *   wp [N / 16, K / 2, 16, 2] bfloat16: wp[b][p][j][e] = W[16 b + j][2 p + e]
  *   x  [R, K] bfloat16 (rows M..R-1: padding, not read), out [R, N] bfloat16 (rows M..R-1
- *   zeroed, as the padded matmul they replace leaves them), M <= 16
+ *   zeroed, as the padded matmul they replace leaves them)
  *
- * For each block of 16 columns and each pair of inputs k, k + 1: one 64-byte load of the
- * weights, then per row one vdpbf16ps of the row's pair (broadcast) against it, products
- * summed in float32 into that row's 16 columns; the sums rounded to bfloat16 (nearest
- * even, as torch rounds) at the end. Threads: the column blocks split in two contiguous
- * halves, each a sequential read. Built where the CPU has avx512_bf16 and no AMX: there
- * oneDNN's bfloat16 kernels run on AMX tiles, not measured against this one.
+ * The product goes in tiles of TR rows x TC blocks of 16 columns (TR * TC accumulators in
+ * registers, 24 of the 32): for each pair of inputs k, k + 1, one 64-byte load from each
+ * of the TC blocks, then per row one broadcast of the row's pair and TC vdpbf16ps, the
+ * products summed in float32; the sums rounded to bfloat16 (nearest even, as torch
+ * rounds) at the end. A panel of TC blocks (K * 192 bytes: 110 KB at K = 576) stays in L2
+ * while every row tile passes over it. Each output is the same sum in the same order
+ * whatever the tile, the row count or the thread: a row's result does not depend on what
+ * else is in the batch. Threads: the column blocks split in two contiguous halves.
+ * Built where the CPU has avx512_bf16 and no AMX: there oneDNN's bfloat16 kernels run on
+ * AMX tiles, not measured against this one.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -26,56 +31,88 @@
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
 #include <immintrin.h>
 
-#define MAX_ROWS 16
+#define TR 4 /* rows of a tile */
+#define TC 6 /* blocks of 16 columns of a tile */
 
-/* One block of 16 columns for M rows (a literal where inlined: acc stays in registers). */
+/* 16 float32 sums -> bfloat16, rounded as bf16.h's to_bf16 rounds (a NaN stays quiet) */
+static inline __m256i round_bf16(const __m512 sums) {
+    const __m512i u = _mm512_castps_si512(sums);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* Rows r0 .. r0 + RT - 1 x blocks b .. b + CB - 1 (literals where inlined: the
+ * accumulators stay in registers). x2: the rows as pairs, P = K / 2 a row. */
 static inline __attribute__((always_inline)) void
-column_block(const uint32_t *restrict x2, const uint16_t *restrict wb, uint16_t *restrict out,
-             const int M, int K, int N, int n0) {
-    __m512 acc[MAX_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int p = 0; p < K / 2; p++) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (size_t)p * 32);
-        for (int m = 0; m < M; m++) {
-            const __m512i pair = _mm512_set1_epi32((int)x2[(size_t)m * (K / 2) + p]);
-            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)pair, w);
+tile(const uint32_t *restrict x2, const uint16_t *restrict wp, uint16_t *restrict out,
+     const int RT, const int CB, const int P, const int N, const int r0, const int b) {
+    __m512 acc[TR][TC];
+    const uint16_t *wb = wp + (size_t)b * P * 32;
+    const uint32_t *xr = x2 + (size_t)r0 * P;
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p++) {
+        __m512bh w[TC];
+        for (int c = 0; c < CB; c++)
+            w[c] = (__m512bh)_mm512_loadu_si512(wb + ((size_t)c * P + p) * 32);
+        for (int r = 0; r < RT; r++) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)xr[(size_t)r * P + p]);
+            for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, w[c]);
         }
     }
-    for (int m = 0; m < M; m++) {
-        float v[16];
-        _mm512_storeu_ps(v, acc[m]);
-        uint16_t *o = out + (size_t)m * N + n0;
-        for (int j = 0; j < 16; j++) o[j] = to_bf16(v[j]);
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < CB; c++)
+            _mm256_storeu_si256((__m256i *)(out + (size_t)(r0 + r) * N + (size_t)(b + c) * 16),
+                                round_bf16(acc[r][c]));
+}
+
+#define TILE(RT, CB) tile(x2, wp, out, RT, CB, P, N, r0, b)
+#define BLOCKS(RT)                                                                      \
+    switch (cb) {                                                                       \
+    case 1: TILE(RT, 1); break;                                                         \
+    case 2: TILE(RT, 2); break;                                                         \
+    case 3: TILE(RT, 3); break;                                                         \
+    case 4: TILE(RT, 4); break;                                                         \
+    case 5: TILE(RT, 5); break;                                                         \
+    default: TILE(RT, 6); break;                                                        \
+    }
+
+/* A tile of rt <= TR rows x cb <= TC blocks: full tiles, and the edges of the last ones */
+static void any_tile(const uint32_t *x2, const uint16_t *wp, uint16_t *out, const int rt,
+                     const int cb, const int P, const int N, const int r0, const int b) {
+    switch (rt) {
+    case 1: BLOCKS(1) break;
+    case 2: BLOCKS(2) break;
+    case 3: BLOCKS(3) break;
+    default: BLOCKS(4) break;
     }
 }
 
-#define ROWS_CASE(MV)                                                                   \
-    case MV:                                                                            \
-        for (int b = lo; b < hi; b++)                                                   \
-            column_block(x2, wp + (size_t)b * K * 16, out, MV, K, N, b * 16);           \
-        break;
-
 int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
                             int N, int K) {
-    if (M < 1 || M > MAX_ROWS || N % 16 != 0 || K % 2 != 0 || R < M) return 1;
+    if (M < 1 || N % 16 != 0 || K % 2 != 0 || R < M) return 1;
     const uint32_t *x2 = (const uint32_t *)x; /* the rows as pairs of bfloat16 */
-    const int blocks = N / 16;
+    const int blocks = N / 16, P = K / 2;
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int lo = (int)((long)blocks * id / nt), hi = (int)((long)blocks * (id + 1) / nt);
-        switch (M) {
-            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
-            ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
-            ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15) ROWS_CASE(16)
+        for (int b = lo; b < hi; b += TC) {
+            const int cb = hi - b < TC ? hi - b : TC;
+            for (int r0 = 0; r0 < M; r0 += TR)
+                any_tile(x2, wp, out, M - r0 < TR ? M - r0 : TR, cb, P, N, r0, b);
         }
     }
     memset(out + (size_t)M * N, 0, sizeof(uint16_t) * (size_t)(R - M) * N);
     return 0;
 }
 
-/* The most rows kvflow_matmul_rows_bf16 takes (0: not built for this CPU). */
-int kvflow_matmul_rows_max(void) { return MAX_ROWS; }
+/* Whether kvflow_matmul_rows_bf16 is built for this CPU. */
+int kvflow_matmul_rows_built(void) { return 1; }
 #else
 int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
                             int N, int K) {
@@ -83,5 +120,5 @@ int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out
     return 2; /* not built for this CPU (no avx512_bf16, or AMX) */
 }
 
-int kvflow_matmul_rows_max(void) { return 0; }
+int kvflow_matmul_rows_built(void) { return 0; }
 #endif
