@@ -50,6 +50,7 @@ import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
+from worker.model.native import prefill_kernel_fits
 from worker.model.packing import pack_linear_layers
 from worker.request import SamplingParams
 
@@ -332,7 +333,7 @@ def _linear_layers(engine: LLMEngine, batch: int, head_rows: int | None = None) 
     [head_rows, in] (default `batch`: a decode step's logits). Each runs its matmul as a
     step runs it: int16 products and the C row kernel go through the C layer ops."""
     model = engine.runner.model
-    ops = engine.runner.layer_ops
+    ops = engine.runner.step_ops
     head_rows = batch if head_rows is None else head_rows
     head_modules = set(model.narrow_head.modules()) if model.narrow_head is not None else set()
     layers: list[Layer] = []
@@ -512,15 +513,15 @@ def compare_linear(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20
         pack_linear_layers(model, "onednn", device)
     except ValueError as e:
         return f"(nothing to compare: {e})"
-    rows_weights = _rows_weights(engine)  # oneDNN against torch: the row kernel set aside
-    for m in rows_weights:
-        m.rows_weight = None
     weights: dict[str, list[tuple[llama_mod.Linear, torch.nn.Parameter]]] = {}
     for choice in ("onednn", "torch"):
         pack_linear_layers(model, choice, device)
         weights[choice] = [
             (m, m.weight) for m in model.modules() if isinstance(m, llama_mod.Linear)
         ]
+    rows_weights = _rows_weights(engine)  # oneDNN against torch: the row kernel set aside
+    for m in rows_weights:
+        m.rows_weight = None
 
     def use(choice: str) -> Callable[[], None]:
         def setup() -> None:
@@ -642,15 +643,17 @@ def compare_prefill(
     bs = engine.info.block_size
     vocab = engine.info.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    # the C paths need the runner's kernels (and "flash" a float32 or bfloat16 cache)
+    cfg = runner.model.config
+    # the C paths need the runner's kernels; "flash" what the runner asks of it at start-up
+    flash = (
+        runner.kv_dtype in (torch.float32, torch.bfloat16)
+        and cfg.sliding_window is None
+        and prefill_kernel_fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bs)
+    )
     usable = [
         v
         for v in variants
-        if v not in ("native", "flash")
-        or (
-            runner.native is not None
-            and (v == "native" or runner.kv_dtype in (torch.float32, torch.bfloat16))
-        )
+        if v not in ("native", "flash") or (runner.native is not None and (v == "native" or flash))
     ]
     lines = [
         "| prompts x tokens (+ cached) | "
@@ -700,6 +703,7 @@ def compare_prefill(
                 + " |"
             )
     finally:
+        engine.abort(list(engine.scheduler.requests))
         runner.prefill_in_place, runner.prefill_kernels, runner.prefill_dtype = saved
     return (
         f"Prompt steps by prefill attention, medians of {rounds} alternating steps each:\n\n"

@@ -221,7 +221,7 @@ def test_bfloat16_decode_through_the_row_kernel_does_not_depend_on_the_batch(
     cfg = EngineConfig(num_kv_blocks=256, attention="native")
     bf16 = ModelRunner(cfg, load_model(str(default_model_dir), dtype="bfloat16"))
     has_kernel = bf16.native is not None and bf16.native.matmul_rows_built
-    assert ("C row kernel" in bf16.info.linear) == has_kernel, bf16.info.linear
+    assert ("the C row kernel" in bf16.info.linear) == has_kernel, bf16.info.linear
     by4 = _decode_logits(bf16, ids, outs, batch=4)
     agree = sum(int(row.argmax()) == outs[i][k] for (i, k), row in by4.items())
     print(f"decode steps of 4 (row kernel: {has_kernel}): {agree}/{len(by4)}")

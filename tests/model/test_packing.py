@@ -116,9 +116,9 @@ def test_the_runner_packs_the_decoder_and_the_narrow_head_only(default_model_dir
     assert packed == f"oneDNN, {len(decoder) + heads} weights packed at load"
     # decode steps and short prompt chunks: the C row kernel's own copy of the weights
     native = runner.native
-    assert ("C row kernel" in row_kernel) == (native is not None and native.matmul_rows_built), (
-        row_kernel
-    )
+    assert ("the C row kernel" in row_kernel) == (
+        native is not None and native.matmul_rows_built
+    ), row_kernel
 
 
 @needs_onednn

@@ -42,9 +42,12 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
 
 
 # Row counts at and around the tiles' edges (tiles of 4 rows), and column counts whose
-# halves (one a thread) end in a full tile of 6 blocks of 16 or in a part of one.
+# shares (one a thread, by the column block of 16) end in a full tile of 6 blocks or in a
+# part of one; 16 x 101 blocks give every thread full tiles and a part on up to 16 threads.
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 16, 37, 64, 130])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13)])
+@pytest.mark.parametrize(
+    ("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13), (64, 16 * 101)]
+)
 def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, n: int) -> None:
     if not _built_here():  # the other CPUs: the kernel says so rather than computing
         assert not ops.matmul_rows_built
@@ -76,6 +79,37 @@ def test_a_row_gets_the_same_result_whatever_else_is_in_the_batch(ops: NativeKer
         alone = ops.matmul_rows(x[row : row + 1].contiguous(), w, 1)
         assert torch.equal(alone[0], whole[row])
     assert torch.equal(ops.matmul_rows(x[:9].contiguous(), w, 9), whole[:9])
+
+
+def test_sums_are_rounded_to_bfloat16_as_torch_rounds(ops: NativeKernels) -> None:
+    """Sums exact in float32 (two bfloat16 products of 1.0) that bfloat16 cannot hold:
+    halfway cases go to the even neighbour, past the largest finite value to inf, and a
+    sign stays; each equal to torch's rounding of the same float32 sum."""
+    if not _built_here():
+        assert not ops.matmul_rows_built
+        return
+    tie = 2.0**-8  # half a bfloat16 step at 1.0
+    big = float(torch.finfo(torch.bfloat16).max)
+    pairs = [
+        (1.0, tie),  # 1 + 2^-8: a tie, down to the even 1.0
+        (1.0 + 2 * tie, tie),  # a tie, up to the even 1 + 2^-6
+        (1.0, tie * 1.5),  # past the tie: up
+        (-1.0, -tie),  # a negative tie
+        (big, 2.0**119),  # halfway past the largest finite value: to the even, inf
+        (-big, -(2.0**119)),
+        (3.0, 0.0),  # exact
+        (0.0, 0.0),
+    ]
+    n = 16 * 2
+    w = torch.zeros(n, 2)
+    for j, (a, b) in enumerate(pairs):
+        w[j] = torch.tensor([a, b])
+    w = w.bfloat16()
+    x = torch.ones(1, 2, dtype=torch.bfloat16)
+    got = ops.matmul_rows(x, rows_layout(w), 1)[0]
+    want = (w.float() @ x.float()[0]).bfloat16()  # the float32 sums, exact here, rounded
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got[:8], want[:8])
+    assert got[4] == float("inf") and got[5] == float("-inf") and got[0] == 1.0
 
 
 def test_a_nan_input_gives_nan_outputs_in_its_row_only(ops: NativeKernels) -> None:
@@ -130,6 +164,8 @@ def test_linear_takes_the_kernel_up_to_its_row_limit_only(ops: NativeKernels) ->
     m.rows_weight = rows_layout(m.weight)
     assert torch.equal(m.matmul(x, ROWS_KERNEL_MAX + 1, refusing), plain)
     assert torch.equal(m.matmul(x, None, refusing), plain)
+    with pytest.raises(AssertionError, match="the row kernel was called"):
+        m.matmul(x, ROWS_KERNEL_MAX, refusing)  # at the limit: the kernel
     if _built_here():
         got = m.matmul(x, 12, ops)  # 12 real rows of `rows`: the kernel, padding zeroed
         assert got.shape == plain.shape and torch.count_nonzero(got[12:]) == 0
@@ -144,7 +180,7 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
     said = attach_rows_weights(model, ops)
     linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
     if _built_here():
-        assert "C row kernel" in said
+        assert "the C row kernel" in said
         takes = [m for m in linears if m.weight.shape[0] % 16 == 0 and m.bias is None]
         assert takes, "the tiny model's layers are shaped for the kernel"
         for m in linears:
@@ -154,10 +190,10 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
             else:
                 assert m.rows_weight is None
     else:
-        assert said.startswith("no C row kernel") and "avx512_bf16" in said
+        assert said.startswith("no row kernel") and "avx512_bf16" in said
         assert all(m.rows_weight is None for m in linears)
     # without the kernels (no C compiler, or the torch ops chosen) no copies are kept
-    assert attach_rows_weights(model, None).startswith("no C row kernel")
+    assert attach_rows_weights(model, None).startswith("no row kernel")
     assert all(m.rows_weight is None for m in linears)
 
 

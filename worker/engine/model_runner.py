@@ -138,7 +138,7 @@ class ModelRunner:
         # carries them where the model's layers take them (decided here, once).
         self.layer_ops = self.native if act_dtype == torch.float32 else None
         self._layers_take_ops = all(layer.takes_layer_ops for layer in self.model.layers)
-        step_ops = self._step_layer_ops()
+        step_ops = self.step_ops
         # float32 layers as int16 products, through those ops; decided before the packing
         # for oneDNN, which they replace. lanes: the kernel's build, 0 where these layers
         # cannot take it
@@ -227,7 +227,7 @@ class ModelRunner:
             dtype_reason=dtype_reason,
             num_threads=self._threads,
             attention=attention
-            + ("; norms, rotary and SiLU as C layer ops" if self._step_layer_ops() else "")
+            + ("; norms, rotary and SiLU as C layer ops" if self.step_ops else "")
             + {
                 "native": f"; prefill attention native, in place ({prefill.reason})",
                 "flash": f"; prefill attention by the C prompt kernel, in place ({prefill.reason})",
@@ -308,10 +308,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def all_logits(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
-        """Diagnostics: one forward pass; logits [n, V] of every token each request computes."""
+        """Diagnostics: one forward pass; logits [n, V] of every token each request computes
+        (the output projection through the step's C ops, as `execute_model` runs it)."""
         inp = self._prepare(scheduled)
         logits = self.model.compute_logits(
-            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta), inp.meta.layer_ops
         )
         out, row = {}, 0
         for s in inp.order:
@@ -362,11 +363,7 @@ class ModelRunner:
             )
 
         dev = self.device
-        if (
-            self._step_layer_ops() is not None
-            and slots
-            and not 0 <= min(slots) <= max(slots) < self._slots
-        ):
+        if self.step_ops is not None and slots and not 0 <= min(slots) <= max(slots) < self._slots:
             # the C store writes where it is told: a slot past the cache is a bug upstream
             raise ValueError(f"cache slots {min(slots)}..{max(slots)} outside 0..{self._slots - 1}")
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -377,7 +374,7 @@ class ModelRunner:
             decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
             in_place=self._in_place(singles + chunks if self.prefill_in_place else singles),
-            layer_ops=self._step_layer_ops(),
+            layer_ops=self.step_ops,
             prefill_dtype=self.prefill_dtype,
             prefill_kernels=self.prefill_kernels,
             block_size=bs,
@@ -393,7 +390,9 @@ class ModelRunner:
             logit_rows=torch.tensor([last_row[i] for i in sampling], dtype=torch.int64, device=dev),
         )
 
-    def _step_layer_ops(self) -> NativeKernels | None:
+    @property
+    def step_ops(self) -> NativeKernels | None:
+        """The C layer ops a step hands the model (None where its layers do not take them)."""
         return self.layer_ops if self._layers_take_ops else None
 
     def _in_place(self, members: list[ScheduledRequest]) -> InPlaceDecode | None:

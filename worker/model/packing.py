@@ -74,7 +74,7 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     for m in linears:
         m.rows_weight = None
     if kernels is None or not kernels.matmul_rows_built:
-        return "no C row kernel (it needs avx512_bf16 without AMX, and the C layer ops)"
+        return "no row kernel (it needs avx512_bf16 without AMX, and the C layer ops)"
     targets = [
         m
         for m in linears
@@ -86,7 +86,7 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     size = sum(m.weight.shape[0] * m.weight.shape[1] * 2 for m in targets)
     if not targets or size > ROWS_COPY_MAX_BYTES:
         why = "no bfloat16 layers it takes" if not targets else f"{size >> 20} MB of weights"
-        return f"no C row kernel ({why})"
+        return f"no row kernel ({why})"
     for m in targets:
         plain = m.weight.to_dense() if m.packed else m.weight
         m.rows_weight = rows_layout(plain)

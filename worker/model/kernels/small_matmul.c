@@ -18,7 +18,7 @@
  * rounds) at the end. A panel of TC blocks (K * 192 bytes: 110 KB at K = 576) stays in L2
  * while every row tile passes over it. Each output is the same sum in the same order
  * whatever the tile, the row count or the thread: a row's result does not depend on what
- * else is in the batch. Threads: the column blocks split in two contiguous halves.
+ * else is in the batch. Threads: the column blocks split in contiguous shares, one each.
  * Built where the CPU has avx512_bf16 and no AMX: there oneDNN's bfloat16 kernels run on
  * AMX tiles, not measured against this one.
  */
@@ -45,14 +45,22 @@ static inline __m256i round_bf16(const __m512 sums) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
+/* The pair of bfloat16 inputs x[2 i], x[2 i + 1] as one 32-bit lane (memcpy: x need
+ * not be 4-byte aligned; it compiles to the broadcast's own load). */
+static inline int pair_at(const uint16_t *x, const size_t i) {
+    int v;
+    memcpy(&v, x + 2 * i, sizeof v);
+    return v;
+}
+
 /* Rows r0 .. r0 + RT - 1 x blocks b .. b + CB - 1 (literals where inlined: the
- * accumulators stay in registers). x2: the rows as pairs, P = K / 2 a row. */
+ * accumulators stay in registers); P = K / 2 pairs a row. */
 static inline __attribute__((always_inline)) void
-tile(const uint32_t *restrict x2, const uint16_t *restrict wp, uint16_t *restrict out,
+tile(const uint16_t *restrict x, const uint16_t *restrict wp, uint16_t *restrict out,
      const int RT, const int CB, const int P, const int N, const int r0, const int b) {
     __m512 acc[TR][TC];
     const uint16_t *wb = wp + (size_t)b * P * 32;
-    const uint32_t *xr = x2 + (size_t)r0 * P;
+    const uint16_t *xr = x + (size_t)r0 * P * 2;
     for (int r = 0; r < RT; r++)
         for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
     for (int p = 0; p < P; p++) {
@@ -60,7 +68,7 @@ tile(const uint32_t *restrict x2, const uint16_t *restrict wp, uint16_t *restric
         for (int c = 0; c < CB; c++)
             w[c] = (__m512bh)_mm512_loadu_si512(wb + ((size_t)c * P + p) * 32);
         for (int r = 0; r < RT; r++) {
-            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)xr[(size_t)r * P + p]);
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32(pair_at(xr, (size_t)r * P + p));
             for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, w[c]);
         }
     }
@@ -70,7 +78,7 @@ tile(const uint32_t *restrict x2, const uint16_t *restrict wp, uint16_t *restric
                                 round_bf16(acc[r][c]));
 }
 
-#define TILE(RT, CB) tile(x2, wp, out, RT, CB, P, N, r0, b)
+#define TILE(RT, CB) tile(x, wp, out, RT, CB, P, N, r0, b)
 #define BLOCKS(RT)                                                                      \
     switch (cb) {                                                                       \
     case 1: TILE(RT, 1); break;                                                         \
@@ -82,7 +90,7 @@ tile(const uint32_t *restrict x2, const uint16_t *restrict wp, uint16_t *restric
     }
 
 /* A tile of rt <= TR rows x cb <= TC blocks: full tiles, and the edges of the last ones */
-static void any_tile(const uint32_t *x2, const uint16_t *wp, uint16_t *out, const int rt,
+static void any_tile(const uint16_t *x, const uint16_t *wp, uint16_t *out, const int rt,
                      const int cb, const int P, const int N, const int r0, const int b) {
     switch (rt) {
     case 1: BLOCKS(1) break;
@@ -95,7 +103,6 @@ static void any_tile(const uint32_t *x2, const uint16_t *wp, uint16_t *out, cons
 int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
                             int N, int K) {
     if (M < 1 || N % 16 != 0 || K % 2 != 0 || R < M) return 1;
-    const uint32_t *x2 = (const uint32_t *)x; /* the rows as pairs of bfloat16 */
     const int blocks = N / 16, P = K / 2;
 #pragma omp parallel
     {
@@ -104,7 +111,7 @@ int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out
         for (int b = lo; b < hi; b += TC) {
             const int cb = hi - b < TC ? hi - b : TC;
             for (int r0 = 0; r0 < M; r0 += TR)
-                any_tile(x2, wp, out, M - r0 < TR ? M - r0 : TR, cb, P, N, r0, b);
+                any_tile(x, wp, out, M - r0 < TR ? M - r0 : TR, cb, P, N, r0, b);
         }
     }
     memset(out + (size_t)M * N, 0, sizeof(uint16_t) * (size_t)(R - M) * N);
