@@ -43,10 +43,11 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
 
 # Row counts at and around the tiles' edges (tiles of 4 rows), and column counts whose
 # shares (one a thread, by the column block of 16) end in a full tile of 6 blocks or in a
-# part of one; 16 x 101 blocks give every thread full tiles and a part on up to 16 threads.
+# part of one; 16 x 101 blocks give every thread full tiles and a part on up to 16 threads,
+# one block leaves every thread but one without work.
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 16, 37, 64, 130])
 @pytest.mark.parametrize(
-    ("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13), (64, 16 * 101)]
+    ("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13), (64, 16 * 101), (64, 16)]
 )
 def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, n: int) -> None:
     if not _built_here():  # the other CPUs: the kernel says so rather than computing
