@@ -5,6 +5,7 @@
     python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
     python ops/bench/step_profile.py --linear int16 --compare-int16  # int16 vs float32
     python ops/bench/step_profile.py --compare-rows-kernel   # C row kernel vs oneDNN
+    python ops/bench/step_profile.py --compare-layer-stack   # layers as one run of C calls
     python ops/bench/step_profile.py --prompts 1x256,8x256  # prompt steps instead
     python ops/bench/step_profile.py --compare-prefill 8x256,4x256+128  # prompt attention paths
 
@@ -451,6 +452,29 @@ def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> s
     return "\n".join(lines) + f"\n\nC layer ops / torch ops: {ratio:.2f}x"
 
 
+def compare_layer_stack(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
+    """Decode steps with the decoder's layers as one run of C calls (worker.model.
+    layer_stack) and layer by layer through the C layer ops, alternating step by step."""
+    runner = engine.runner
+    stack = runner.layer_stack
+    if stack is None:
+        return "(no layer stack here: it needs the C layer ops and the C kernels' weights)"
+
+    def use(on: bool) -> Callable[[], None]:
+        return lambda: setattr(runner, "layer_stack", stack if on else None)
+
+    lines = ["| batch | step, stack (ms) | step, layer by layer (ms) | stack / layer by layer |"]
+    lines.append("|---:|---:|---:|---:|")
+    try:
+        for batch in batches:
+            med = _alternate(engine, batch, {"stack": use(True), "layers": use(False)}, rounds)
+            ratio = med["stack"] / med["layers"]
+            lines.append(f"| {batch} | {med['stack']:.1f} | {med['layers']:.1f} | {ratio:.2f}x |")
+    finally:
+        runner.layer_stack = stack
+    return f"Decode steps, medians of {rounds} each:\n\n" + "\n".join(lines)
+
+
 def _steps_and_passes(
     engine: LLMEngine, batch: int, variants: dict[str, Callable[[], None]], rounds: int
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -779,6 +803,11 @@ def main() -> None:
         help="only time decode steps with packed linear weights against torch's plain matmul",
     )
     ap.add_argument(
+        "--compare-layer-stack",
+        action="store_true",
+        help="only time decode steps with the layers as one run of C calls against layer by layer",
+    )
+    ap.add_argument(
         "--compare-rows-kernel",
         action="store_true",
         help="only time decode steps with the linear layers through the C row kernel "
@@ -845,6 +874,9 @@ def main() -> None:
         return
     if args.compare_rows_kernel:
         print(compare_rows_kernel(engine, batches))
+        return
+    if args.compare_layer_stack:
+        print(compare_layer_stack(engine, batches))
         return
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
     print(table(rows, limit_label(engine)))

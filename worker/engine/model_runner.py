@@ -34,6 +34,8 @@ from worker.model.attention import (
     decode_mask,
     prefill_mask,
 )
+from worker.model.layer_stack import MAX_ROWS as STACK_ROWS
+from worker.model.layer_stack import LayerStack
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import (
@@ -200,6 +202,14 @@ class ModelRunner:
         ]
         self.workspace = Workspace(self.device, self.kv_dtype)
         self._slots = num_blocks * self.block_size
+        # steps whose every row the C kernels take: the decoder's layers as one run of C
+        # calls (worker.model.layer_stack), the per-op path's kernels without its Python
+        no_stack = LayerStack.fits(self.model, self.step_ops)
+        self.layer_stack = (
+            LayerStack(self.model, self.step_ops, self.kv_caches, self.block_size)
+            if no_stack is None and self.step_ops is not None
+            else None
+        )
         # CPU: a step of one or two tokens of a small model runs no faster on several
         # OpenMP threads, but the idle ones spin between kernels and take a core from the
         # event loop, the broker and the database sharing the machine; such steps run on
@@ -228,6 +238,12 @@ class ModelRunner:
             num_threads=self._threads,
             attention=attention
             + ("; norms, rotary and SiLU as C layer ops" if self.step_ops else "")
+            + (
+                f"; steps of <= {STACK_ROWS} rows attended in place run the layers as one "
+                "run of C calls"
+                if self.layer_stack is not None
+                else ""
+            )
             + {
                 "native": f"; prefill attention native, in place ({prefill.reason})",
                 "flash": f"; prefill attention by the C prompt kernel, in place ({prefill.reason})",
@@ -367,18 +383,23 @@ class ModelRunner:
             # the C store writes where it is told: a slot past the cache is a bug upstream
             raise ValueError(f"cache slots {min(slots)}..{max(slots)} outside 0..{self._slots - 1}")
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+        in_place = self._in_place(singles + chunks if self.prefill_in_place else singles)
+        stack = self.layer_stack
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             slot_blocks=slot_mapping // bs,
             slot_offsets=slot_mapping % bs,
             decode_groups=[] if self.native is not None else self._decode_groups(singles),
             prefills=prefills,
-            in_place=self._in_place(singles + chunks if self.prefill_in_place else singles),
+            in_place=in_place,
             layer_ops=self.step_ops,
             prefill_dtype=self.prefill_dtype,
             prefill_kernels=self.prefill_kernels,
             block_size=bs,
             workspace=self.workspace,
+            layer_stack=stack
+            if stack is not None and stack.takes(len(ids), in_place, prefills, self.step_ops)
+            else None,
         )
         sampling = [i for i, s in enumerate(order) if s.samples]
         return StepInputs(

@@ -29,6 +29,7 @@ Everything a layer needs is in `AttentionMetadata`, built once per step by the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,16 @@ class PrefillChunk:
     block_table: torch.Tensor | None = None
 
 
+class LayersRunner(Protocol):
+    """Runs a step's decoder layers whole in place of the model's loop over them
+    (worker.model.layer_stack.LayerStack): x [T, C] float32, the embedding's output, in
+    place; cos, sin [T, D/2] float32 -> what the loop returns."""
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step inputs of every attention layer (built once, shared by all layers)."""
@@ -123,6 +134,9 @@ class AttentionMetadata:
     prefill_dtype: torch.dtype | None = None
     # CPU: the C prompt kernel, for chunks with a block table (else None)
     prefill_kernels: NativeKernels | None = None
+    # CPU: the decoder's layers as one run of C calls, where this step is one it takes
+    # whole (worker.model.layer_stack); None: layer by layer
+    layer_stack: LayersRunner | None = None
     # whether a fresh prompt chunk attends to its own K/V through SDPA this step (the C
     # rotary op then returns k and v, else stores them only); derived once per step
     own_kv: bool = field(init=False)

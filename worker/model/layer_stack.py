@@ -1,0 +1,280 @@
+"""The decoder's layers of one step as a single run of C calls (CPU).
+
+Through the C layer ops (`DecoderLayer.forward` with `ops`) a layer is nine kernel
+calls: norm, qkv projection, rotary and K/V store, attention read in place, output
+projection, residual add and norm, gate and up projection, SiLU and multiply, down
+projection. Each goes through a Python wrapper that checks its arguments, allocates its
+output and pads its rows for oneDNN, and the modules around them are looked up
+attribute by attribute: ~5 ms a step for the default model's 30 layers, a third of a
+decode step of one sequence (AMD EPYC Zen 4, 2 threads). A `LayerStack` makes those
+calls itself, straight into the library with the arguments it worked out once (weights
+and caches by address, outputs into buffers it owns, no padding rows), for the steps
+its kernels take whole:
+
+- every row attended in place by the C kernel (`AttentionMetadata.in_place` covers all
+  T rows: decode tokens, and prompt rows where prefill attention is "native"; no chunk
+  left to SDPA), at most MAX_ROWS of them;
+- the layers it was built over, unchanged: the row kernel's bfloat16 weights
+  (`Linear.rows_weight`, no bias) or the int16 products' (`Linear.int16_weight`).
+
+The kernels, their order and their inputs are the per-op path's, so the results are the
+same bit for bit (tests/model/test_layer_stack.py); only the Python between them goes.
+
+Buffers (float32 or bfloat16 rows of the step's activations; R = MAX_ROWS):
+  h [R, C]   normed rows, the projections' input       qkv [R, (H + 2 KVH) D]
+  q [R, H, D] float32, rotary applied                   o [R, H D]  attention out
+  a [R, C]   output projection                          gu [R, 2 I] gate and up
+  act [R, I] silu(gate) * up                            m [R, C]    the MLP's output
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.model.llama import ROWS_KERNEL_MAX, DecoderLayer, Linear, LlamaForCausalLM
+from worker.model.native import INT16_BLOCK, NativeKernels
+
+if TYPE_CHECKING:
+    from worker.model.attention import AttentionMetadata, InPlaceDecode, PrefillChunk
+
+# Rows a step may have for the stack to take it: the row kernel's limit (its buffers are
+# sized for it; larger prompt steps are arithmetic, where the Python around them is noise).
+MAX_ROWS = ROWS_KERNEL_MAX
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """One layer's weights and caches as the stack reads them, and the tensors that hold
+    them (kept, so that `current` can tell the layer still has them)."""
+
+    held: tuple[torch.Tensor, ...]  # identity-checked against the layer's own
+    norm1: int
+    norm2: int
+    eps: float
+    scale: float
+    linears: tuple[tuple[int, int, int], ...]  # (weight, scale or 0, bias or 0) x 4
+    k_cache: int
+    v_cache: int
+
+
+def _linear_weight(m: Linear) -> torch.Tensor | None:
+    """The C kernels' copy of a Linear's weight the per-op path would take, or None."""
+    if m.int16_weight is not None:
+        return m.int16_weight.wq
+    return m.rows_weight
+
+
+def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    layers = list(model.layers)
+    assert all(isinstance(layer, DecoderLayer) for layer in layers)
+    return layers  # type: ignore[return-value]
+
+
+def _layer_linears(layer: DecoderLayer) -> list[Linear]:
+    """qkv, o, gate and up, down: plain Linears where the layer takes the C layer ops."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return [m for m in linears if isinstance(m, Linear)]
+
+
+class LayerStack:
+    """Runs a step's decoder layers as one run of C calls (module docstring): `takes`
+    says whether it may, `forward` does it."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kernels: NativeKernels,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.lib = kernels.lib
+        self.block_size = block_size
+        self.C, self.H, self.KVH, self.D = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.inter = cfg.intermediate_size
+        first = _layer_linears(_decoder_layers(model)[0])[0]
+        self.int16 = first.int16_weight is not None
+        # activations between the ops: the linear layers' dtype (bfloat16 for the row
+        # kernel, float32 into and out of the int16 products)
+        act = torch.float32 if self.int16 else torch.bfloat16
+        self.act_bf16 = int(act == torch.bfloat16)
+        kv = kv_caches[0][0].dtype
+        self.cache_bf16, self.cache_i8 = int(kv == torch.bfloat16), int(kv == torch.int8)
+        self.decode = {
+            torch.float32: self.lib.kvflow_paged_decode_f32,
+            torch.bfloat16: self.lib.kvflow_paged_decode_bf16,
+            torch.int8: self.lib.kvflow_paged_decode_i8,
+        }[kv]
+        R, C, H, D, inter = MAX_ROWS, self.C, self.H, self.D, self.inter
+        qkv_cols = (H + 2 * self.KVH) * D
+        self.buffers = {
+            "h": torch.empty(R, C, dtype=act),
+            "qkv": torch.empty(R, qkv_cols, dtype=act),
+            "q": torch.empty(R, H, D, dtype=torch.float32),
+            "o": torch.empty(R, H * D, dtype=act),
+            "a": torch.empty(R, C, dtype=act),
+            "gu": torch.empty(R, 2 * inter, dtype=act),
+            "act": torch.empty(R, inter, dtype=act),
+            "m": torch.empty(R, C, dtype=act),
+        }
+        k_max = max(C, H * D, inter)
+        # the int16 products' rounded inputs: xq [ceil(R / 4) * 4, K] int16, then xs [R,
+        # ceil(K / INT16_BLOCK)] float32 (NativeKernels.linear_i16 lays them out alike)
+        self._xq_bytes = -(-R // 4) * 4 * k_max * 2
+        self.scratch = torch.empty(
+            self._xq_bytes + R * -(-k_max // INT16_BLOCK) * 4, dtype=torch.uint8
+        )
+        self.layers = [
+            self._weights(layer, kv)
+            for layer, kv in zip(_decoder_layers(model), kv_caches, strict=True)
+        ]
+
+    @staticmethod
+    def fits(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str | None:
+        """Why a stack cannot run this model's layers, or None where it can: every layer
+        takes the C layer ops and holds the same kind of C weights in all four linear
+        layers (the row kernel's, bias-free, or the int16 products')."""
+        if kernels is None:
+            return "no C kernels"
+        kinds = set()
+        for layer in model.layers:
+            if not isinstance(layer, DecoderLayer) or not layer.takes_layer_ops:
+                return "layers the C layer ops do not take"
+            linears = _layer_linears(layer)
+            if len(linears) != 4:
+                return "linear layers other than plain ones"
+            for m in linears:
+                if m.int16_weight is not None:
+                    kinds.add("int16")
+                elif m.rows_weight is not None and m.bias is None:
+                    kinds.add("rows")
+                else:
+                    return "linear layers without the C kernels' weights"
+        if len(kinds) != 1:
+            return "linear layers of mixed kinds"
+        return None
+
+    def _weights(self, layer: DecoderLayer, kv: tuple[torch.Tensor, torch.Tensor]) -> _Weights:
+        linears = _layer_linears(layer)
+        ptrs = []
+        held: list[torch.Tensor] = [
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+        ]
+        for m in linears:
+            w = _linear_weight(m)
+            assert w is not None  # `fits` said so
+            held.append(w)
+            scale = m.int16_weight.scale.data_ptr() if m.int16_weight is not None else 0
+            bias = m.bias.data_ptr() if m.bias is not None else 0
+            ptrs.append((w.data_ptr(), scale, bias))
+        return _Weights(
+            held=tuple(held),
+            norm1=layer.input_layernorm.weight.data_ptr(),
+            norm2=layer.post_attention_layernorm.weight.data_ptr(),
+            eps=layer.input_layernorm.eps,
+            scale=layer.self_attn.scale,
+            linears=tuple(ptrs),
+            k_cache=kv[0].data_ptr(),
+            v_cache=kv[1].data_ptr(),
+        )
+
+    def current(self) -> bool:
+        """Whether every layer still holds the weights the stack was built over (a
+        benchmark that swaps them, or a repack, makes the stack step aside)."""
+        for layer, w in zip(_decoder_layers(self.model), self.layers, strict=True):
+            now: list[torch.Tensor | None] = [
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+            ]
+            now += [_linear_weight(m) for m in _layer_linears(layer)]
+            if any(a is not b for a, b in zip(now, w.held, strict=True)):
+                return False
+        return True
+
+    def takes(
+        self,
+        rows: int,
+        in_place: InPlaceDecode | None,
+        prefills: list[PrefillChunk],
+        layer_ops: NativeKernels | None,
+    ) -> bool:
+        """Whether a step of `rows` tokens, with these parts of its attention metadata, is
+        one the stack runs whole: all its rows attended in place through the C layer ops."""
+        return (
+            0 < rows <= MAX_ROWS
+            and layer_ops is not None
+            and not prefills
+            and in_place is not None
+            and in_place.context_lens.shape[0] == rows
+            and self.current()
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """x [T, C] float32 (the embedding's output, this step's own) through every
+        decoder layer, in place, the last MLP output added: what the layers' loop in
+        `LlamaForCausalLM.forward` returns. cos, sin [T, D/2] float32, contiguous."""
+        d = meta.in_place
+        assert d is not None
+        T, C, H, KVH, D, inter = x.shape[0], self.C, self.H, self.KVH, self.D, self.inter
+        lib, b = self.lib, {k: v.data_ptr() for k, v in self.buffers.items()}
+        act, bs = self.act_bf16, self.block_size
+        slots = meta.slot_mapping
+        tables, lens = d.block_tables, d.context_lens
+        x_p, cos_p, sin_p = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        slots_p, tables_p, lens_p = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
+        max_blocks, window = tables.shape[1], d.window
+        qkv_cols = (H + 2 * KVH) * D
+        pending = None  # the MLP output not yet added to x (the next norm adds it)
+        for w in self.layers:
+            eps = ctypes.c_float(w.eps)
+            (qkv_w, o_w, gu_w, down_w) = w.linears
+            lib.kvflow_rms_norm(x_p, pending, w.norm1, b["h"], T, T, C, eps, act, act)
+            self._linear(b["h"], qkv_w, b["qkv"], T, qkv_cols, C)
+            lib.kvflow_rope_store(
+                b["qkv"], b["q"], cos_p, sin_p, slots_p, w.k_cache, w.v_cache,
+                T, H, KVH, D, bs, act, self.cache_bf16, self.cache_i8, 0,
+            )  # fmt: skip
+            failed = self.decode(
+                b["q"], w.k_cache, w.v_cache, tables_p, lens_p, b["o"], act,
+                T, H, KVH, D, bs, max_blocks, ctypes.c_float(w.scale), window,
+            )  # fmt: skip
+            if failed:
+                raise RuntimeError(f"paged decode attention failed ({failed})")
+            self._linear(b["o"], o_w, b["a"], T, C, H * D)
+            lib.kvflow_rms_norm(x_p, b["a"], w.norm2, b["h"], T, T, C, eps, act, act)
+            self._linear(b["h"], gu_w, b["gu"], T, 2 * inter, C)
+            lib.kvflow_silu_mul(b["gu"], b["act"], T, T, inter, act, act)
+            self._linear(b["act"], down_w, b["m"], T, C, inter)
+            pending = b["m"]
+        x += self.buffers["m"][:T]
+        return x
+
+    def _linear(
+        self, x: int, weight: tuple[int, int, int], out: int, M: int, N: int, K: int
+    ) -> None:
+        w, scale, bias = weight
+        if self.int16:
+            xq = self.scratch.data_ptr()
+            status = self.lib.kvflow_linear_i16(
+                x, xq, xq + self._xq_bytes, w, scale, bias or None, out, M, N, K
+            )
+        else:
+            status = self.lib.kvflow_matmul_rows_bf16(x, w, out, M, M, N, K)
+        if status:
+            raise RuntimeError(
+                f"a linear layer's kernel refused [{M}, {K}] x [{N}, {K}] ({status})"
+            )
