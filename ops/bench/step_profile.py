@@ -129,6 +129,10 @@ def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[
     wrap(llama_mod.Linear, "narrow_input", "kv.linear")
     wrap(llama_mod.Linear, "matmul", "kv.linear")
     wrap(quant_mod.Int8Linear, "forward", "kv.linear")
+    stack = engine.runner.layer_stack
+    if stack is not None:  # steps it takes call the kernels straight from its own methods
+        wrap(stack, "_linear", "kv.linear")
+        wrap(stack, "decode", "kv.attention")
     wrap(engine.runner.model, "forward", "kv.forward")
     wrap(engine.runner.model, "compute_logits", "kv.linear")
     wrap(engine.runner, "sampler", "kv.sampling")
