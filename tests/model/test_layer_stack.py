@@ -4,6 +4,8 @@ row the C kernels attend in place, and steps aside where the layers' weights cha
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,33 +54,47 @@ def _both(runner: ModelRunner, steps: list[ScheduledRequest]) -> tuple[dict, dic
     return with_stack, per_op
 
 
-def _stack_expected(linear: str, dtype: str) -> bool:
+def _stack_expected(linear: str) -> bool:
     kernels = load_native().kernels
     assert kernels is not None, "the C kernels build on every machine the tests run on"
     return kernels.int16_built if linear == "int16" else kernels.matmul_rows_built
 
 
+def _stacked(tiny_model_dir, **kw: str) -> ModelRunner:
+    """A runner of the tiny SmolLM2-shaped model with a stack: through the row kernel
+    where it is built, else through the int16 products (built wherever there is AVX2)."""
+    if _stack_expected("auto"):
+        return _runner(tiny_model_dir, "smollm2", "bfloat16", "auto", **kw)
+    assert _stack_expected("int16"), "no kernel a stack runs on is built here"
+    return _runner(tiny_model_dir, "smollm2", "float32", "int16", **kw)
+
+
 @pytest.mark.parametrize(
-    ("variant", "dtype", "linear"),
+    ("variant", "dtype", "linear", "kv_cache"),
     [
-        ("smollm2", "bfloat16", "auto"),  # the row kernel (avx512_bf16 without AMX)
-        ("smollm2", "float32", "int16"),  # int16 products (AVX2 or AVX-512 VNNI)
-        ("qwen2", "float32", "int16"),  # with a bias on q, k and v
+        ("smollm2", "bfloat16", "auto", "auto"),  # the row kernel (avx512_bf16, no AMX)
+        ("smollm2", "bfloat16", "auto", "float32"),
+        ("smollm2", "bfloat16", "auto", "int8"),
+        ("smollm2", "float32", "int16", "auto"),  # int16 products (AVX2 or AVX-512 VNNI)
+        ("smollm2", "float32", "int16", "float32"),
+        ("qwen2", "float32", "int16", "auto"),  # with a bias on q, k and v
+        ("mistral", "float32", "int16", "auto"),  # a sliding window shorter than the prompts
     ],
 )
 def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
-    tiny_model_dir, variant: str, dtype: str, linear: str
+    tiny_model_dir, variant: str, dtype: str, linear: str, kv_cache: str
 ) -> None:
-    if not _stack_expected(linear, dtype):  # the kernels are not built for this CPU
+    kw = {"prefill_attention": "native", "kv_cache_dtype": kv_cache}
+    if not _stack_expected(linear):  # the kernels are not built for this CPU
         if linear == "int16":
             with pytest.raises(ValueError, match="int16"):
-                _runner(tiny_model_dir, variant, dtype, linear)
+                _runner(tiny_model_dir, variant, dtype, linear, **kw)
             return
-        runner = _runner(tiny_model_dir, variant, dtype, linear, prefill_attention="native")
+        runner = _runner(tiny_model_dir, variant, dtype, linear, **kw)
         assert runner.layer_stack is None
         assert "one run of C calls" not in runner.info.attention
         return
-    runner = _runner(tiny_model_dir, variant, dtype, linear, prefill_attention="native")
+    runner = _runner(tiny_model_dir, variant, dtype, linear, **kw)
     assert runner.layer_stack is not None
     assert "one run of C calls" in runner.info.attention
     g = torch.Generator().manual_seed(21)
@@ -95,39 +111,55 @@ def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
             assert torch.equal(logits, per_op[key]), f"{variant} {linear}: {key} moved"
 
 
+def test_a_layer_with_a_bias_keeps_the_row_kernel_and_the_stack_off(tiny_model_dir) -> None:
+    """The row kernel takes bias-free layers only; Qwen2's q/k/v projections have one, so
+    in bfloat16 its layers go layer by layer (oneDNN for those projections)."""
+    runner = _runner(tiny_model_dir, "qwen2", "bfloat16", "auto", prefill_attention="native")
+    assert runner.layer_stack is None
+    assert runner.model.layers[0].self_attn.qkv_proj.rows_weight is None
+
+
 def test_the_stack_takes_only_steps_attended_in_place_within_its_rows(tiny_model_dir) -> None:
-    if not _stack_expected("auto", "bfloat16"):
-        assert _runner(tiny_model_dir, "smollm2", "bfloat16", "auto").layer_stack is None
-        return
     g = torch.Generator().manual_seed(22)
     prompt = torch.randint(100, 40000, (MAX_ROWS + 40,), generator=g).tolist()
-    native = _runner(tiny_model_dir, "smollm2", "bfloat16", "auto", prefill_attention="native")
+    native = _stacked(tiny_model_dir, prefill_attention="native")
     assert native.layer_stack is not None
     # more rows than its buffers hold: layer by layer
     assert native._prepare([_seq(0, prompt, 0, MAX_ROWS + 1)]).meta.layer_stack is None
     assert native._prepare([_seq(0, prompt, 0, MAX_ROWS)]).meta.layer_stack is not None
     # a prompt chunk attended by SDPA: layer by layer (its decode-only steps still taken)
-    sdpa = _runner(tiny_model_dir, "smollm2", "bfloat16", "auto", prefill_attention="float32")
+    sdpa = _stacked(tiny_model_dir, prefill_attention="float32")
     assert sdpa.layer_stack is not None
     assert sdpa._prepare([_seq(0, prompt, 0, 30)]).meta.layer_stack is None
     assert sdpa._prepare([_seq(0, prompt, 30, 1)]).meta.layer_stack is not None
 
 
 def test_the_stack_steps_aside_where_a_layers_weights_changed(tiny_model_dir) -> None:
-    if not _stack_expected("auto", "bfloat16"):
-        assert _runner(tiny_model_dir, "smollm2", "bfloat16", "auto").layer_stack is None
-        return
-    runner = _runner(tiny_model_dir, "smollm2", "bfloat16", "auto")
+    runner = _stacked(tiny_model_dir)
     stack = runner.layer_stack
     assert stack is not None and stack.current()
     step = [_seq(0, list(range(100, 140)), 39, 1)]
     down = runner.model.layers[1].mlp.down_proj
-    assert isinstance(down, Linear) and down.rows_weight is not None
-    held = down.rows_weight
-    down.rows_weight = held.clone()  # the same values in another tensor: not what it read
+    assert isinstance(down, Linear)
+    attr = "int16_weight" if down.int16_weight is not None else "rows_weight"
+    held = getattr(down, attr)
+    assert held is not None
+    # the same values in another object: not what the stack reads
+    setattr(down, attr, held.clone() if isinstance(held, torch.Tensor) else replace(held))
     assert not stack.current()
     assert runner._prepare(step).meta.layer_stack is None
-    down.rows_weight = None  # the kernel's copy dropped (oneDNN): not the stack's either
+    setattr(down, attr, None)  # the kernel's copy dropped: not the stack's either
     assert runner._prepare(step).meta.layer_stack is None
-    down.rows_weight = held
+    setattr(down, attr, held)
     assert runner._prepare(step).meta.layer_stack is stack
+    bias = torch.nn.Parameter(torch.zeros(down.weight.shape[0]))
+    down.bias = bias  # a bias where there was none
+    assert not stack.current()
+    down.bias = None
+    assert stack.current()
+    # handed another model's caches, the stack refuses rather than writing into its own
+    x = torch.zeros(1, runner.model.config.hidden_size)
+    cos = torch.zeros(1, runner.model.config.head_dim // 2)
+    meta = runner._prepare(step).meta
+    with pytest.raises(ValueError, match="does not take"):
+        stack.forward(x, cos, cos, list(runner.kv_caches), meta)

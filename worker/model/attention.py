@@ -107,10 +107,15 @@ class PrefillChunk:
 class LayersRunner(Protocol):
     """Runs a step's decoder layers whole in place of the model's loop over them
     (worker.model.layer_stack.LayerStack): x [T, C] float32, the embedding's output, in
-    place; cos, sin [T, D/2] float32 -> what the loop returns."""
+    place; cos, sin [T, D/2] float32; the model's caches -> what the loop returns."""
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
     ) -> torch.Tensor: ...
 
 

@@ -48,10 +48,10 @@ MAX_ROWS = ROWS_KERNEL_MAX
 
 @dataclass(frozen=True)
 class _Weights:
-    """One layer's weights and caches as the stack reads them, and the tensors that hold
-    them (kept, so that `current` can tell the layer still has them)."""
+    """One layer's weights and caches as the stack reads them by address, and the objects
+    that hold them (kept alive here, and compared with the layer's own by `current`)."""
 
-    held: tuple[torch.Tensor, ...]  # identity-checked against the layer's own
+    held: tuple[object, ...]  # `_held(layer)` when the stack was built
     norm1: int
     norm2: int
     eps: float
@@ -61,11 +61,14 @@ class _Weights:
     v_cache: int
 
 
-def _linear_weight(m: Linear) -> torch.Tensor | None:
-    """The C kernels' copy of a Linear's weight the per-op path would take, or None."""
-    if m.int16_weight is not None:
-        return m.int16_weight.wq
-    return m.rows_weight
+def _held(layer: DecoderLayer) -> tuple[object, ...]:
+    """Everything of a layer the stack reads by address: its norms' weights and, for each
+    linear layer, the int16 weight (its values and scales), the row kernel's copy and the
+    bias, each or None."""
+    out: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for m in _layer_linears(layer):
+        out += [m.int16_weight, m.rows_weight, m.bias]
+    return tuple(out)
 
 
 def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
@@ -94,6 +97,7 @@ class LayerStack:
     ) -> None:
         cfg = model.config
         self.model = model
+        self.kv_caches = kv_caches  # read by address: held here, checked at each step
         self.lib = kernels.lib
         self.block_size = block_size
         self.C, self.H, self.KVH, self.D = (
@@ -103,11 +107,11 @@ class LayerStack:
             cfg.head_dim,
         )
         self.inter = cfg.intermediate_size
-        first = _layer_linears(_decoder_layers(model)[0])[0]
-        self.int16 = first.int16_weight is not None
-        # activations between the ops: the linear layers' dtype (bfloat16 for the row
-        # kernel, float32 into and out of the int16 products)
-        act = torch.float32 if self.int16 else torch.bfloat16
+        first = _decoder_layers(model)[0]
+        self.int16 = _layer_linears(first)[0].int16_weight is not None
+        # activations between the ops: the linear layers' dtype, as the per-op path takes
+        # it (bfloat16 for the row kernel, float32 into and out of the int16 products)
+        act = first.mlp.down_proj.weight.dtype
         self.act_bf16 = int(act == torch.bfloat16)
         kv = kv_caches[0][0].dtype
         self.cache_bf16, self.cache_i8 = int(kv == torch.bfloat16), int(kv == torch.int8)
@@ -166,21 +170,16 @@ class LayerStack:
         return None
 
     def _weights(self, layer: DecoderLayer, kv: tuple[torch.Tensor, torch.Tensor]) -> _Weights:
-        linears = _layer_linears(layer)
         ptrs = []
-        held: list[torch.Tensor] = [
-            layer.input_layernorm.weight,
-            layer.post_attention_layernorm.weight,
-        ]
-        for m in linears:
-            w = _linear_weight(m)
-            assert w is not None  # `fits` said so
-            held.append(w)
-            scale = m.int16_weight.scale.data_ptr() if m.int16_weight is not None else 0
+        for m in _layer_linears(layer):
             bias = m.bias.data_ptr() if m.bias is not None else 0
-            ptrs.append((w.data_ptr(), scale, bias))
+            if m.int16_weight is not None:
+                ptrs.append((m.int16_weight.wq.data_ptr(), m.int16_weight.scale.data_ptr(), bias))
+            else:
+                assert m.rows_weight is not None and m.bias is None  # `fits` said so
+                ptrs.append((m.rows_weight.data_ptr(), 0, 0))
         return _Weights(
-            held=tuple(held),
+            held=_held(layer),
             norm1=layer.input_layernorm.weight.data_ptr(),
             norm2=layer.post_attention_layernorm.weight.data_ptr(),
             eps=layer.input_layernorm.eps,
@@ -193,13 +192,12 @@ class LayerStack:
     def current(self) -> bool:
         """Whether every layer still holds the weights the stack was built over (a
         benchmark that swaps them, or a repack, makes the stack step aside)."""
-        for layer, w in zip(_decoder_layers(self.model), self.layers, strict=True):
-            now: list[torch.Tensor | None] = [
-                layer.input_layernorm.weight,
-                layer.post_attention_layernorm.weight,
-            ]
-            now += [_linear_weight(m) for m in _layer_linears(layer)]
-            if any(a is not b for a, b in zip(now, w.held, strict=True)):
+        layers = _decoder_layers(self.model)
+        if len(layers) != len(self.layers):
+            return False
+        for layer, w in zip(layers, self.layers, strict=True):
+            now = _held(layer)
+            if len(now) != len(w.held) or any(a is not b for a, b in zip(now, w.held, strict=True)):
                 return False
         return True
 
@@ -222,13 +220,22 @@ class LayerStack:
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x [T, C] float32 (the embedding's output, this step's own) through every
         decoder layer, in place, the last MLP output added: what the layers' loop in
-        `LlamaForCausalLM.forward` returns. cos, sin [T, D/2] float32, contiguous."""
+        `LlamaForCausalLM.forward` returns. cos, sin [T, D/2] float32, contiguous;
+        `kv_caches` must be the ones the stack was built over."""
         d = meta.in_place
-        assert d is not None
+        if kv_caches is not self.kv_caches or d is None or not 0 < x.shape[0] <= MAX_ROWS:
+            raise ValueError("the layer stack was handed a step it does not take (see takes)")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"the layer stack takes contiguous float32 rows, not {x.dtype}")
         T, C, H, KVH, D, inter = x.shape[0], self.C, self.H, self.KVH, self.D, self.inter
         lib, b = self.lib, {k: v.data_ptr() for k, v in self.buffers.items()}
         act, bs = self.act_bf16, self.block_size
@@ -242,7 +249,10 @@ class LayerStack:
         for w in self.layers:
             eps = ctypes.c_float(w.eps)
             (qkv_w, o_w, gu_w, down_w) = w.linears
-            lib.kvflow_rms_norm(x_p, pending, w.norm1, b["h"], T, T, C, eps, act, act)
+            # (the first layer's norm adds nothing: its residual's flag as the per-op path's)
+            lib.kvflow_rms_norm(
+                x_p, pending, w.norm1, b["h"], T, T, C, eps, act if pending else 0, act
+            )
             self._linear(b["h"], qkv_w, b["qkv"], T, qkv_cols, C)
             lib.kvflow_rope_store(
                 b["qkv"], b["q"], cos_p, sin_p, slots_p, w.k_cache, w.v_cache,

@@ -350,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
         if meta.layer_stack is not None:  # the same kernels, without the Python between
             T = x.shape[0]
             cos, sin = (t.view(T, -1) for t in rope)  # [T, D/2]
-            return meta.layer_stack.forward(x, cos, sin, meta)
+            return meta.layer_stack.forward(x, cos, sin, kv_caches, meta)
         pending: torch.Tensor | None = None  # the last MLP output not yet in x
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, pending = layer(x, rope, kv, meta, pending)

@@ -572,7 +572,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_bf16_scores.argtypes = []
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_rms_norm.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
+        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
     )
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
