@@ -875,18 +875,16 @@ def main() -> None:
         print(prompt_table(prompt_rows, limit_label(engine)))
         return
     batches = tuple(int(b) for b in args.batches.split(","))
-    if args.compare_linear:
-        print(compare_linear(engine, batches))
-        return
-    if args.compare_int16:
-        print(compare_int16(engine, batches))
-        return
-    if args.compare_rows_kernel:
-        print(compare_rows_kernel(engine, batches))
-        return
-    if args.compare_layer_stack:
-        print(compare_layer_stack(engine, batches))
-        return
+    comparisons = {
+        "compare_linear": compare_linear,
+        "compare_int16": compare_int16,
+        "compare_rows_kernel": compare_rows_kernel,
+        "compare_layer_stack": compare_layer_stack,
+    }
+    for flag, compare in comparisons.items():
+        if getattr(args, flag):
+            print(compare(engine, batches))
+            return
     rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
     print(table(rows, limit_label(engine)))
 

@@ -26,6 +26,15 @@ def _built_here() -> bool:
     return "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
+def _computes(ops: NativeKernels) -> bool:
+    """Whether the kernel is built here; on the other CPUs it says so rather than
+    computing."""
+    if not _built_here():
+        assert not ops.matmul_rows_built
+        return False
+    return True
+
+
 def test_the_kernel_is_built_where_the_cpu_has_avx512_bf16_without_amx(ops: NativeKernels) -> None:
     assert ops.matmul_rows_built == _built_here()
 
@@ -50,8 +59,7 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
     ("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13), (64, 16 * 101), (64, 16)]
 )
 def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, n: int) -> None:
-    if not _built_here():  # the other CPUs: the kernel says so rather than computing
-        assert not ops.matmul_rows_built
+    if not _computes(ops):
         return
     g = torch.Generator().manual_seed(tokens * 7 + k + n)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
@@ -69,8 +77,7 @@ def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, 
 def test_a_row_gets_the_same_result_whatever_else_is_in_the_batch(ops: NativeKernels) -> None:
     """Each output is one sum in one order whatever the tile, the row count or the thread
     that computes it: a sequence's logits do not move with the batch it decodes in."""
-    if not _built_here():
-        assert not ops.matmul_rows_built
+    if not _computes(ops):
         return
     g = torch.Generator().manual_seed(11)
     w = rows_layout((torch.randn(960, 576, generator=g) * 0.05).bfloat16())
@@ -86,8 +93,7 @@ def test_sums_are_rounded_to_bfloat16_as_torch_rounds(ops: NativeKernels) -> Non
     """Sums exact in float32 (two bfloat16 products of 1.0) that bfloat16 cannot hold:
     halfway cases go to the even neighbour, past the largest finite value to inf, and a
     sign stays; each equal to torch's rounding of the same float32 sum."""
-    if not _built_here():
-        assert not ops.matmul_rows_built
+    if not _computes(ops):
         return
     tie = 2.0**-8  # half a bfloat16 step at 1.0
     big = float(torch.finfo(torch.bfloat16).max)
@@ -114,8 +120,7 @@ def test_sums_are_rounded_to_bfloat16_as_torch_rounds(ops: NativeKernels) -> Non
 
 
 def test_a_nan_input_gives_nan_outputs_in_its_row_only(ops: NativeKernels) -> None:
-    if not _built_here():
-        assert not ops.matmul_rows_built
+    if not _computes(ops):
         return
     g = torch.Generator().manual_seed(12)
     w = rows_layout((torch.randn(96, 64, generator=g) * 0.05).bfloat16())

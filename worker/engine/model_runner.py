@@ -204,10 +204,10 @@ class ModelRunner:
         self._slots = num_blocks * self.block_size
         # steps whose every row the C kernels take: the decoder's layers as one run of C
         # calls (worker.model.layer_stack), the per-op path's kernels without its Python
-        no_stack = LayerStack.fits(self.model, self.step_ops)
+        no_stack = LayerStack.fits(self.model, step_ops)
         self.layer_stack = (
-            LayerStack(self.model, self.step_ops, self.kv_caches, self.block_size)
-            if no_stack is None and self.step_ops is not None
+            LayerStack(self.model, step_ops, self.kv_caches, self.block_size)
+            if no_stack is None and step_ops is not None
             else None
         )
         # CPU: a step of one or two tokens of a small model runs no faster on several
@@ -242,6 +242,8 @@ class ModelRunner:
                 f"; steps of <= {STACK_ROWS} rows attended in place run the layers as one "
                 "run of C calls"
                 if self.layer_stack is not None
+                else f"; layers one by one ({no_stack})"
+                if step_ops is not None
                 else ""
             )
             + {
@@ -398,7 +400,7 @@ class ModelRunner:
             block_size=bs,
             workspace=self.workspace,
             layer_stack=stack
-            if stack is not None and stack.takes(len(ids), in_place, prefills, self.step_ops)
+            if stack is not None and stack.takes(len(ids), in_place, prefills)
             else None,
         )
         sampling = [i for i, s in enumerate(order) if s.samples]

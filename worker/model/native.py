@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +143,15 @@ class NativeKernels:
         it is."""
         return bool(self.lib.kvflow_bf16_scores())
 
+    def paged_decode_entry(self, cache_dtype: torch.dtype) -> Callable[..., int]:
+        """The library's decode attention for a cache of this dtype (float32, bfloat16 or
+        int8), as `paged_decode` calls it."""
+        return {
+            torch.float32: self.lib.kvflow_paged_decode_f32,
+            torch.bfloat16: self.lib.kvflow_paged_decode_bf16,
+            torch.int8: self.lib.kvflow_paged_decode_i8,
+        }[cache_dtype]
+
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
@@ -162,12 +172,7 @@ class NativeKernels:
         _check_rows(q, float32_only=True)
         _check_rows(out)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
-        entry = {
-            torch.float32: self.lib.kvflow_paged_decode_f32,
-            torch.bfloat16: self.lib.kvflow_paged_decode_bf16,
-            torch.int8: self.lib.kvflow_paged_decode_i8,
-        }[k_cache.dtype]
-        failed = entry(
+        failed = self.paged_decode_entry(k_cache.dtype)(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -393,10 +398,8 @@ class NativeKernels:
         if bias is not None:
             _check_rows(bias, float32_only=True)
             _expect(bias.shape == (N,), f"a bias of {N}", bias)
-        # scratch for the rounded inputs: xq [ceil(M / 4) * 4, K] int16 (four rows a group),
-        # then xs [M, ceil(K / INT16_BLOCK)] float32 (its offset a multiple of 16 bytes)
-        xq_bytes = -(-M // 4) * 4 * K * 2
-        xq = self.scratch.take(xq_bytes + M * -(-K // INT16_BLOCK) * 4)
+        xq_bytes, scratch_bytes = int16_scratch_bytes(M, K)
+        xq = self.scratch.take(scratch_bytes)
         out = torch.empty((M, N), dtype=torch.float32)
         status = self.lib.kvflow_linear_i16(
             x.data_ptr(),
@@ -446,6 +449,14 @@ class NativeKernels:
         if failed:
             raise ValueError(f"the row kernel refused {tokens} rows of {K} (code {failed})")
         return out
+
+
+def int16_scratch_bytes(M: int, K: int) -> tuple[int, int]:
+    """Where an int16 matmul of M rows of K inputs rounds them: xq [ceil(M / 4) * 4, K]
+    int16 (four rows a group) at offset 0, then xs [M, ceil(K / INT16_BLOCK)] float32 at
+    the first value returned (a multiple of 16 bytes); the second is the bytes in all."""
+    xq_bytes = -(-M // 4) * 4 * K * 2
+    return xq_bytes, xq_bytes + M * -(-K // INT16_BLOCK) * 4
 
 
 def int16_layout(weight: torch.Tensor, lanes: int = 8) -> Int16Weight:
