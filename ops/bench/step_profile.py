@@ -6,6 +6,7 @@
     python ops/bench/step_profile.py --linear int16 --compare-int16  # int16 vs float32
     python ops/bench/step_profile.py --compare-rows-kernel   # C row kernel vs oneDNN
     python ops/bench/step_profile.py --compare-layer-stack   # layers as one run of C calls
+    python ops/bench/step_profile.py --no-rows-kernel --compare-layer-stack  # over oneDNN
     python ops/bench/step_profile.py --prompts 1x256,8x256  # prompt steps instead
     python ops/bench/step_profile.py --compare-prefill 8x256,4x256+128  # prompt attention paths
 
@@ -51,6 +52,7 @@ import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
+from worker.model.layer_stack import LayerStack
 from worker.model.native import prefill_kernel_fits
 from worker.model.packing import pack_linear_layers
 from worker.request import SamplingParams
@@ -456,13 +458,26 @@ def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> s
     return "\n".join(lines) + f"\n\nC layer ops / torch ops: {ratio:.2f}x"
 
 
+def drop_rows_kernel(engine: LLMEngine) -> None:
+    """The row kernel's copies of the weights dropped (the linear layers then oneDNN's at
+    every row count), and the layer stack built again over what the layers now hold."""
+    runner = engine.runner
+    for m in runner.model.modules():
+        if isinstance(m, llama_mod.Linear):
+            m.rows_weight = None
+    if runner.layer_stack is not None and runner.step_ops is not None:
+        runner.layer_stack = LayerStack(
+            runner.model, runner.step_ops, runner.kv_caches, runner.block_size
+        )
+
+
 def compare_layer_stack(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
     """Decode steps with the decoder's layers as one run of C calls (worker.model.
     layer_stack) and layer by layer through the C layer ops, alternating step by step."""
     runner = engine.runner
     stack = runner.layer_stack
     if stack is None:
-        return "(no layer stack here: it needs the C layer ops and the C kernels' weights)"
+        return "(no layer stack here: it needs the C layer ops)"
 
     def use(on: bool) -> Callable[[], None]:
         return lambda: setattr(runner, "layer_stack", stack if on else None)
@@ -817,6 +832,12 @@ def main() -> None:
         help="only time decode steps with the layers as one run of C calls against layer by layer",
     )
     ap.add_argument(
+        "--no-rows-kernel",
+        action="store_true",
+        help="drop the C row kernel's weights (the layer stack built again over oneDNN's "
+        "matmuls), as where AMX or a large model leaves the linear layers to oneDNN",
+    )
+    ap.add_argument(
         "--compare-rows-kernel",
         action="store_true",
         help="only time decode steps with the linear layers through the C row kernel "
@@ -854,6 +875,9 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
         )
     )
+    if args.no_rows_kernel:
+        drop_rows_kernel(engine)
+        print("the row kernel's weights dropped: linear layers through oneDNN", file=sys.stderr)
     info = engine.info
     print(
         f"linear layers: {info.linear}; attention: {info.attention}; "

@@ -12,7 +12,7 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
-from worker.model.layer_stack import MAX_ROWS
+from worker.model.layer_stack import MAX_ROWS, LayerStack
 from worker.model.llama import Linear
 from worker.model.loader import load_model
 from worker.model.native import load_native
@@ -54,49 +54,74 @@ def _both(runner: ModelRunner, steps: list[ScheduledRequest]) -> tuple[dict, dic
     return with_stack, per_op
 
 
-def _stack_expected(linear: str) -> bool:
+def _int16_built() -> bool:
     kernels = load_native().kernels
     assert kernels is not None, "the C kernels build on every machine the tests run on"
-    return kernels.int16_built if linear == "int16" else kernels.matmul_rows_built
+    return kernels.int16_built
 
 
 def _stacked(tiny_model_dir, **kw: str) -> ModelRunner:
-    """A runner of the tiny SmolLM2-shaped model with a stack: through the row kernel
-    where it is built, else through the int16 products (built wherever there is AVX2)."""
-    if _stack_expected("auto"):
-        return _runner(tiny_model_dir, "smollm2", "bfloat16", "auto", **kw)
-    assert _stack_expected("int16"), "no kernel a stack runs on is built here"
-    return _runner(tiny_model_dir, "smollm2", "float32", "int16", **kw)
+    """A runner of the tiny SmolLM2-shaped model in bfloat16, with a stack: through the
+    row kernel where it is built, else through oneDNN's matmuls."""
+    return _runner(tiny_model_dir, "smollm2", "bfloat16", "auto", **kw)
+
+
+def _kinds(runner: ModelRunner) -> set[str]:
+    assert runner.layer_stack is not None
+    return {call.kind for w in runner.layer_stack.layers for call in w.linears}
+
+
+def _drop_rows_weights(runner: ModelRunner) -> None:
+    """The row kernel's copies dropped and the stack built again: the linear layers then
+    go through oneDNN's packed bfloat16 matmul (as on a CPU with AMX, or a model too
+    large for the copy), wherever the row kernel is built."""
+    for m in runner.model.modules():
+        if isinstance(m, Linear):
+            m.rows_weight = None
+    runner.layer_stack = LayerStack(
+        runner.model, runner.step_ops, runner.kv_caches, runner.block_size
+    )
 
 
 @pytest.mark.parametrize(
-    ("variant", "dtype", "linear", "kv_cache"),
+    ("variant", "dtype", "linear", "kv_cache", "kinds"),
     [
-        ("smollm2", "bfloat16", "auto", "auto"),  # the row kernel (avx512_bf16, no AMX)
-        ("smollm2", "bfloat16", "auto", "float32"),
-        ("smollm2", "bfloat16", "auto", "int8"),
-        ("smollm2", "float32", "int16", "auto"),  # int16 products (AVX2 or AVX-512 VNNI)
-        ("smollm2", "float32", "int16", "float32"),
-        ("qwen2", "float32", "int16", "auto"),  # with a bias on q, k and v
-        ("mistral", "float32", "int16", "auto"),  # a sliding window shorter than the prompts
+        # the row kernel where it is built (avx512_bf16, no AMX), else oneDNN's matmul
+        ("smollm2", "bfloat16", "auto", "auto", None),
+        ("smollm2", "bfloat16", "auto", "float32", None),
+        ("smollm2", "bfloat16", "auto", "int8", None),
+        # the row kernel's copies dropped: oneDNN's packed bfloat16 matmul, padded rows
+        ("smollm2", "bfloat16", "onednn", "auto", {"torch"}),
+        # Qwen2's q, k and v projections have a bias the row kernel does not take
+        ("qwen2", "bfloat16", "auto", "auto", None),
+        ("smollm2", "float32", "onednn", "auto", {"torch"}),  # packed float32, padded rows
+        ("smollm2", "float32", "torch", "auto", {"torch"}),  # F.linear, no padding
+        ("smollm2", "float32", "int16", "auto", {"int16"}),  # AVX2 or AVX-512 VNNI
+        ("smollm2", "float32", "int16", "float32", {"int16"}),
+        ("qwen2", "float32", "int16", "auto", {"int16"}),  # the bias through the C kernel
+        ("mistral", "float32", "int16", "auto", {"int16"}),  # a sliding window
     ],
 )
 def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
-    tiny_model_dir, variant: str, dtype: str, linear: str, kv_cache: str
+    tiny_model_dir, variant: str, dtype: str, linear: str, kv_cache: str, kinds: set[str] | None
 ) -> None:
     kw = {"prefill_attention": "native", "kv_cache_dtype": kv_cache}
-    if not _stack_expected(linear):  # the kernels are not built for this CPU
-        if linear == "int16":
-            with pytest.raises(ValueError, match="int16"):
-                _runner(tiny_model_dir, variant, dtype, linear, **kw)
-            return
-        runner = _runner(tiny_model_dir, variant, dtype, linear, **kw)
-        assert runner.layer_stack is None
-        assert "one run of C calls" not in runner.info.attention
+    if linear == "int16" and not _int16_built():  # no AVX2 here
+        with pytest.raises(ValueError, match="int16"):
+            _runner(tiny_model_dir, variant, dtype, linear, **kw)
         return
     runner = _runner(tiny_model_dir, variant, dtype, linear, **kw)
     assert runner.layer_stack is not None
     assert "one run of C calls" in runner.info.attention
+    if kinds == {"torch"} and dtype == "bfloat16":
+        _drop_rows_weights(runner)
+    if kinds is not None:
+        assert _kinds(runner) == kinds
+    elif runner.step_ops is not None and runner.step_ops.matmul_rows_built:
+        # the row kernel, and oneDNN where a layer has a bias
+        assert _kinds(runner) == ({"rows", "torch"} if variant == "qwen2" else {"rows"})
+    else:
+        assert _kinds(runner) == {"torch"}
     g = torch.Generator().manual_seed(21)
     seqs = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (20, 33, 40, 70)]
     # three prompts prefilled in one step (90 rows, each attended in place), then a decode
@@ -109,14 +134,6 @@ def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
         assert with_stack.keys() == per_op.keys()
         for key, logits in with_stack.items():
             assert torch.equal(logits, per_op[key]), f"{variant} {linear}: {key} moved"
-
-
-def test_a_layer_with_a_bias_keeps_the_row_kernel_and_the_stack_off(tiny_model_dir) -> None:
-    """The row kernel takes bias-free layers only; Qwen2's q/k/v projections have one, so
-    in bfloat16 its layers go layer by layer (oneDNN for those projections)."""
-    runner = _runner(tiny_model_dir, "qwen2", "bfloat16", "auto", prefill_attention="native")
-    assert runner.layer_stack is None
-    assert runner.model.layers[0].self_attn.qkv_proj.rows_weight is None
 
 
 def test_the_stack_takes_only_steps_attended_in_place_within_its_rows(tiny_model_dir) -> None:
@@ -134,23 +151,42 @@ def test_the_stack_takes_only_steps_attended_in_place_within_its_rows(tiny_model
     assert sdpa._prepare([_seq(0, prompt, 30, 1)]).meta.layer_stack is not None
 
 
-def test_the_stack_steps_aside_where_a_layers_weights_changed(tiny_model_dir) -> None:
-    runner = _stacked(tiny_model_dir)
+@pytest.mark.parametrize(("dtype", "linear"), [("bfloat16", "auto"), ("float32", "int16")])
+def test_the_stack_steps_aside_where_a_layers_weights_changed(
+    tiny_model_dir, dtype: str, linear: str
+) -> None:
+    if linear == "int16" and not _int16_built():  # no AVX2 here: refused at start-up
+        with pytest.raises(ValueError, match="int16"):
+            _runner(tiny_model_dir, "smollm2", dtype, linear)
+        return
+    runner = _runner(tiny_model_dir, "smollm2", dtype, linear)
     stack = runner.layer_stack
     assert stack is not None and stack.current()
     step = [_seq(0, list(range(100, 140)), 39, 1)]
     down = runner.model.layers[1].mlp.down_proj
     assert isinstance(down, Linear)
-    attr = "int16_weight" if down.int16_weight is not None else "rows_weight"
-    held = getattr(down, attr)
-    assert held is not None
-    # the same values in another object: not what the stack reads
-    setattr(down, attr, held.clone() if isinstance(held, torch.Tensor) else replace(held))
+    # the C kernels' weights (the row kernel's copy, the int16 weight) replaced by the
+    # same values in another object, then dropped: not what the stack reads
+    for attr in ("rows_weight", "int16_weight"):
+        held = getattr(down, attr)
+        if held is None:
+            continue
+        setattr(down, attr, held.clone() if isinstance(held, torch.Tensor) else replace(held))
+        assert not stack.current()
+        assert runner._prepare(step).meta.layer_stack is None
+        setattr(down, attr, None)
+        assert runner._prepare(step).meta.layer_stack is None
+        setattr(down, attr, held)
+        assert runner._prepare(step).meta.layer_stack is stack
+    # the weight repacked (a new Parameter, another layout), then put back
+    weight = down.weight
+    if down.packed:
+        down.unpack()
+    else:
+        down.pack(64)
     assert not stack.current()
     assert runner._prepare(step).meta.layer_stack is None
-    setattr(down, attr, None)  # the kernel's copy dropped: not the stack's either
-    assert runner._prepare(step).meta.layer_stack is None
-    setattr(down, attr, held)
+    down.weight = weight
     assert runner._prepare(step).meta.layer_stack is stack
     bias = torch.nn.Parameter(torch.zeros(down.weight.shape[0]))
     down.bias = bias  # a bias where there was none

@@ -14,8 +14,17 @@ its kernels take whole:
 - every row attended in place by the C kernel (`AttentionMetadata.in_place` covers all
   T rows: decode tokens, and prompt rows where prefill attention is "native"; no chunk
   left to SDPA), at most MAX_ROWS of them;
-- the layers it was built over, unchanged: the row kernel's bfloat16 weights
-  (`Linear.rows_weight`, no bias) or the int16 products' (`Linear.int16_weight`).
+- the layers it was built over, unchanged.
+
+Each linear layer is computed as the per-op path computes it (`Linear.matmul`): through
+the row kernel's bfloat16 weights (`Linear.rows_weight`, no bias), the int16 products'
+(`Linear.int16_weight`), or else through torch (oneDNN's packed matmul, or F.linear) on
+the layer's own weight and bias. The last is one torch call a layer, on a view of the
+stack's buffer with the rows padded as `Linear.rows_for` pads them (padding zeroed once a
+step: the C kernels write only the step's rows); it is how the stack runs where the
+linear layers are oneDNN's (an Intel Xeon with AMX, whose bfloat16 matmuls beat the row
+kernel; a model too large for the row kernel's copy) and the layers whose bias the row
+kernel does not take (Qwen2's q, k and v projections).
 
 The kernels, their order and their inputs are the per-op path's, so the results are the
 same bit for bit (tests/model/test_layer_stack.py); only the Python between them goes.
@@ -34,8 +43,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-from worker.model.llama import ROWS_KERNEL_MAX, DecoderLayer, Linear, LlamaForCausalLM
+from worker.model.llama import (
+    ROWS_KERNEL_MAX,
+    DecoderLayer,
+    Linear,
+    LlamaForCausalLM,
+    padded_rows,
+)
 from worker.model.native import NativeKernels, int16_scratch_bytes
 
 if TYPE_CHECKING:
@@ -47,6 +63,33 @@ MAX_ROWS = ROWS_KERNEL_MAX
 
 
 @dataclass(frozen=True)
+class _LinearCall:
+    """One linear layer as the stack computes it: `kind` "rows" (the C row kernel, by
+    address: weight), "int16" (the C int16 products: weight, scale, bias or 0) or "torch"
+    (oneDNN's packed matmul or F.linear on `weight` and `bias`, rows padded where `pads`)."""
+
+    kind: str
+    ptrs: tuple[int, int, int] = (0, 0, 0)
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    packed: bool = False
+    pads: bool = False
+
+    @staticmethod
+    def of(m: Linear) -> _LinearCall:
+        """The path `Linear.matmul` takes for m at <= ROWS_KERNEL_MAX rows with the C ops."""
+        bias = m.bias.data_ptr() if m.bias is not None else 0
+        if m.int16_weight is not None:
+            w = m.int16_weight
+            return _LinearCall("int16", (w.wq.data_ptr(), w.scale.data_ptr(), bias))
+        if m.rows_weight is not None:
+            assert m.bias is None  # attach_rows_weights copies bias-free layers only
+            return _LinearCall("rows", (m.rows_weight.data_ptr(), 0, 0))
+        pads = m.rows_for(1) != 1
+        return _LinearCall("torch", weight=m.weight, bias=m.bias, packed=m.packed, pads=pads)
+
+
+@dataclass(frozen=True)
 class _Weights:
     """One layer's weights and caches as the stack reads them, by address (the objects
     that hold them are kept alive and watched by `LayerStack.current`)."""
@@ -55,7 +98,7 @@ class _Weights:
     norm2: int
     eps: float
     scale: float
-    linears: tuple[tuple[int, int, int], ...]  # (weight, scale or 0, bias or 0) x 4
+    linears: tuple[_LinearCall, ...]  # qkv, o, gate and up, down
     k_cache: int
     v_cache: int
 
@@ -65,9 +108,10 @@ Watched = tuple[dict[str, object], str, object]
 
 
 def _watched(model: LlamaForCausalLM) -> list[Watched]:
-    """Everything the stack reads by address, and the owner's table it sits in: each
-    layer, its norms and their weights, its four linear layers and, for each, the int16
-    weight (values and scales), the row kernel's copy and the bias (each or None). The
+    """Everything the stack reads, and the owner's table it sits in: each layer, its norms
+    and their weights, its four linear layers and, for each, its weight (a repack replaces
+    it), the int16 weight (values and scales), the row kernel's copy and the bias (each or
+    None). The
     tables are read directly because nn.Module's lookup of a submodule or parameter costs
     ~1 us: 300 us a step over the default model's layers, against 16 us this way."""
     out: list[Watched] = []
@@ -90,6 +134,7 @@ def _watched(model: LlamaForCausalLM) -> list[Watched]:
             block = keep(parts, owner)
             for name in names:
                 m = keep(block._modules, name)  # type: ignore[attr-defined]
+                keep(m._parameters, "weight")  # type: ignore[attr-defined]
                 keep(vars(m), "int16_weight")
                 keep(vars(m), "rows_weight")
                 keep(m._parameters, "bias")  # type: ignore[attr-defined]
@@ -133,7 +178,6 @@ class LayerStack:
         )
         self.inter = cfg.intermediate_size
         first = _decoder_layers(model)[0]
-        self.int16 = _layer_linears(first)[0].int16_weight is not None
         # activations between the ops: the linear layers' dtype, as the per-op path takes
         # it (bfloat16 for the row kernel, float32 into and out of the int16 products)
         act = first.mlp.down_proj.weight.dtype
@@ -162,49 +206,40 @@ class LayerStack:
             for layer, kv in zip(_decoder_layers(model), kv_caches, strict=True)
         ]
         self._watched = _watched(model)
+        calls = [call for w in self.layers for call in w.linears]
+        # whether torch's matmuls take rows padded as `Linear.rows_for` pads them (their
+        # inputs' padding then zeroed), and whether any linear layer goes through torch
+        self.pads = any(call.pads for call in calls)
+        self.torch_linears = any(call.kind == "torch" for call in calls)
         # the buffers' addresses, for the calls (the buffers never move)
         self._ptr = {k: v.data_ptr() for k, v in self.buffers.items()}
 
     @staticmethod
     def fits(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str | None:
         """Why a stack cannot run this model's layers, or None where it can: every layer
-        takes the C layer ops and holds the same kind of C weights in all four linear
-        layers (the row kernel's, bias-free, or the int16 products')."""
+        takes the C layer ops, with four plain linear layers of one dtype throughout (each
+        computed as `Linear.matmul` computes it: see `_LinearCall`)."""
         if kernels is None:
             return "no C kernels"
-        kinds = set()
+        dtypes: set[torch.dtype] = set()
         for layer in model.layers:
             if not isinstance(layer, DecoderLayer) or not layer.takes_layer_ops:
                 return "layers the C layer ops do not take"
             linears = _layer_linears(layer)
             if len(linears) != 4:
                 return "linear layers other than plain ones"
-            for m in linears:
-                if m.int16_weight is not None:
-                    kinds.add("int16")
-                elif m.rows_weight is not None and m.bias is None:
-                    kinds.add("rows")
-                else:
-                    return "linear layers without the C kernels' weights"
-        if len(kinds) != 1:
-            return "linear layers of mixed kinds"
+            dtypes.update(m.weight.dtype for m in linears)
+        if len(dtypes) != 1:
+            return "linear layers of differing dtypes"
         return None
 
     def _weights(self, layer: DecoderLayer, kv: tuple[torch.Tensor, torch.Tensor]) -> _Weights:
-        ptrs = []
-        for m in _layer_linears(layer):
-            bias = m.bias.data_ptr() if m.bias is not None else 0
-            if m.int16_weight is not None:
-                ptrs.append((m.int16_weight.wq.data_ptr(), m.int16_weight.scale.data_ptr(), bias))
-            else:
-                assert m.rows_weight is not None and m.bias is None  # `fits` said so
-                ptrs.append((m.rows_weight.data_ptr(), 0, 0))
         return _Weights(
             norm1=layer.input_layernorm.weight.data_ptr(),
             norm2=layer.post_attention_layernorm.weight.data_ptr(),
             eps=layer.input_layernorm.eps,
             scale=layer.self_attn.scale,
-            linears=tuple(ptrs),
+            linears=tuple(_LinearCall.of(m) for m in _layer_linears(layer)),
             k_cache=kv[0].data_ptr(),
             v_cache=kv[1].data_ptr(),
         )
@@ -248,6 +283,12 @@ class LayerStack:
         if x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"the layer stack takes contiguous float32 rows, not {x.dtype}")
         T, C, H, KVH, D, inter = x.shape[0], self.C, self.H, self.KVH, self.D, self.inter
+        # rows the buffers carry: T, or T padded where torch's matmuls take padded rows
+        # (the norms and silu_mul zero their outputs' padding; attention's, zeroed here,
+        # stays zero: nothing else writes those rows)
+        R = padded_rows(T) if self.pads else T
+        if R > T:
+            self.buffers["o"][T:R].zero_()
         lib, b = self.lib, self._ptr
         act, bs = self.act_bf16, self.block_size
         slots = meta.slot_mapping
@@ -256,17 +297,18 @@ class LayerStack:
         slots_p, tables_p, lens_p = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
         max_blocks, window = tables.shape[1], d.window
         qkv_cols = (H + 2 * KVH) * D
-        pending = None  # the MLP output not yet added to x (the next norm adds it)
+        pending = 0  # the MLP output not yet added to x (the next norm adds it), by address
+        held: dict[str, torch.Tensor] = {}  # torch's outputs, alive while the C calls read them
         for w in self.layers:
             eps = ctypes.c_float(w.eps)
             (qkv_w, o_w, gu_w, down_w) = w.linears
             # (the first layer's norm adds nothing: its residual's flag as the per-op path's)
             lib.kvflow_rms_norm(
-                x_p, pending, w.norm1, b["h"], T, T, C, eps, act if pending else 0, act
+                x_p, pending or None, w.norm1, b["h"], T, R, C, eps, act if pending else 0, act
             )
-            self._linear(b["h"], qkv_w, b["qkv"], T, qkv_cols, C)
+            qkv = self._linear("h", qkv_w, "qkv", T, R, qkv_cols, C, held)
             lib.kvflow_rope_store(
-                b["qkv"], b["q"], cos_p, sin_p, slots_p, w.k_cache, w.v_cache,
+                qkv, b["q"], cos_p, sin_p, slots_p, w.k_cache, w.v_cache,
                 T, H, KVH, D, bs, act, self.cache_bf16, self.cache_i8, 0,
             )  # fmt: skip
             failed = self.decode(
@@ -275,27 +317,50 @@ class LayerStack:
             )  # fmt: skip
             if failed:
                 raise RuntimeError(f"paged decode attention failed ({failed})")
-            self._linear(b["o"], o_w, b["a"], T, C, H * D)
-            lib.kvflow_rms_norm(x_p, b["a"], w.norm2, b["h"], T, T, C, eps, act, act)
-            self._linear(b["h"], gu_w, b["gu"], T, 2 * inter, C)
-            lib.kvflow_silu_mul(b["gu"], b["act"], T, T, inter, act, act)
-            self._linear(b["act"], down_w, b["m"], T, C, inter)
-            pending = b["m"]
-        x += self.buffers["m"][:T]
+            a = self._linear("o", o_w, "a", T, R, C, H * D, held)
+            lib.kvflow_rms_norm(x_p, a, w.norm2, b["h"], T, R, C, eps, act, act)
+            gu = self._linear("h", gu_w, "gu", T, R, 2 * inter, C, held)
+            lib.kvflow_silu_mul(gu, b["act"], T, R, inter, act, act)
+            pending = self._linear("act", down_w, "m", T, R, C, inter, held)
+        x += held.get("m", self.buffers["m"])[:T]
         return x
 
     def _linear(
-        self, x: int, weight: tuple[int, int, int], out: int, M: int, N: int, K: int
-    ) -> None:
-        w, scale, bias = weight
-        if self.int16:
+        self,
+        x: str,
+        call: _LinearCall,
+        out: str,
+        T: int,
+        R: int,
+        N: int,
+        K: int,
+        held: dict[str, torch.Tensor],
+    ) -> int:
+        """Buffer x's rows through one linear layer -> the address of its [T, N] output:
+        buffer `out`'s rows, or, where torch computed it, a new tensor's (held[out] until the
+        next layer's output of the same name replaces it)."""
+        b = self._ptr
+        if call.kind == "torch":
+            assert call.weight is not None
+            rows = self.buffers[x][: R if call.pads else T]  # [R or T, K]
+            y: torch.Tensor
+            if call.packed:
+                y = torch.ops.mkldnn._linear_pointwise(rows, call.weight, call.bias, "none", [], "")
+            else:
+                y = F.linear(rows, call.weight, call.bias)
+            held[out] = y  # [R or T, N]
+            return y.data_ptr()
+        w, scale, bias = call.ptrs
+        if call.kind == "int16":
             xq = self.scratch.data_ptr()
             status = self.lib.kvflow_linear_i16(
-                x, xq, xq + self._xq_bytes, w, scale, bias or None, out, M, N, K
+                b[x], xq, xq + self._xq_bytes, w, scale, bias or None, b[out], T, N, K
             )
         else:
-            status = self.lib.kvflow_matmul_rows_bf16(x, w, out, M, M, N, K)
+            status = self.lib.kvflow_matmul_rows_bf16(b[x], w, b[out], T, T, N, K)
         if status:
             raise RuntimeError(
-                f"a linear layer's kernel refused [{M}, {K}] x [{N}, {K}] ({status})"
+                f"a linear layer's kernel refused [{T}, {K}] x [{N}, {K}] ({status})"
             )
+        held.pop(out, None)
+        return b[out]
