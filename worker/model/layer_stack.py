@@ -111,9 +111,9 @@ def _watched(model: LlamaForCausalLM) -> list[Watched]:
     """Everything the stack reads, and the owner's table it sits in: each layer, its norms
     and their weights, its four linear layers and, for each, its weight (a repack replaces
     it), the int16 weight (values and scales), the row kernel's copy and the bias (each or
-    None). The
-    tables are read directly because nn.Module's lookup of a submodule or parameter costs
-    ~1 us: 300 us a step over the default model's layers, against 16 us this way."""
+    None). The tables are read directly because nn.Module's lookup of a submodule or
+    parameter costs ~1 us: 300 us a step over the default model's layers, against 16 us
+    this way."""
     out: list[Watched] = []
 
     def keep(table: dict[str, object], key: str) -> object:
