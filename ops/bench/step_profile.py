@@ -52,9 +52,8 @@ import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
-from worker.model.layer_stack import LayerStack
 from worker.model.native import prefill_kernel_fits
-from worker.model.packing import pack_linear_layers
+from worker.model.packing import attach_rows_weights, pack_linear_layers
 from worker.request import SamplingParams
 
 PHASES = ("linear", "attention", "sampling", "other model ops", "bookkeeping")
@@ -461,14 +460,8 @@ def compare_layer_ops(engine: LLMEngine, batch: int = 64, rounds: int = 20) -> s
 def drop_rows_kernel(engine: LLMEngine) -> None:
     """The row kernel's copies of the weights dropped (the linear layers then oneDNN's at
     every row count), and the layer stack built again over what the layers now hold."""
-    runner = engine.runner
-    for m in runner.model.modules():
-        if isinstance(m, llama_mod.Linear):
-            m.rows_weight = None
-    if runner.layer_stack is not None and runner.step_ops is not None:
-        runner.layer_stack = LayerStack(
-            runner.model, runner.step_ops, runner.kv_caches, runner.block_size
-        )
+    attach_rows_weights(engine.runner.model, None)
+    engine.runner.build_layer_stack()
 
 
 def compare_layer_stack(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:

@@ -12,10 +12,11 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
-from worker.model.layer_stack import MAX_ROWS, LayerStack
+from worker.model.layer_stack import MAX_ROWS
 from worker.model.llama import Linear
 from worker.model.loader import load_model
 from worker.model.native import load_native
+from worker.model.packing import attach_rows_weights
 from worker.request import SamplingParams
 
 BLOCKS = 16  # cache blocks a sequence (16 tokens each)
@@ -75,12 +76,8 @@ def _drop_rows_weights(runner: ModelRunner) -> None:
     """The row kernel's copies dropped and the stack built again: the linear layers then
     go through oneDNN's packed bfloat16 matmul (as on a CPU with AMX, or a model too
     large for the copy), wherever the row kernel is built."""
-    for m in runner.model.modules():
-        if isinstance(m, Linear):
-            m.rows_weight = None
-    runner.layer_stack = LayerStack(
-        runner.model, runner.step_ops, runner.kv_caches, runner.block_size
-    )
+    attach_rows_weights(runner.model, None)
+    assert runner.build_layer_stack() is None
 
 
 @pytest.mark.parametrize(

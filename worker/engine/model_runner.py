@@ -204,12 +204,8 @@ class ModelRunner:
         self._slots = num_blocks * self.block_size
         # steps whose every row the C kernels take: the decoder's layers as one run of C
         # calls (worker.model.layer_stack), the per-op path's kernels without its Python
-        no_stack = LayerStack.fits(self.model, step_ops)
-        self.layer_stack = (
-            LayerStack(self.model, step_ops, self.kv_caches, self.block_size)
-            if no_stack is None and step_ops is not None
-            else None
-        )
+        self.layer_stack: LayerStack | None = None
+        no_stack = self.build_layer_stack()
         # CPU: a step of one or two tokens of a small model runs no faster on several
         # OpenMP threads, but the idle ones spin between kernels and take a core from the
         # event loop, the broker and the database sharing the machine; such steps run on
@@ -412,6 +408,20 @@ class ModelRunner:
             sampling=[order[i] for i in sampling],
             logit_rows=torch.tensor([last_row[i] for i in sampling], dtype=torch.int64, device=dev),
         )
+
+    def build_layer_stack(self) -> str | None:
+        """Build the layer stack over what the model's layers hold now (at start-up, and
+        again after their weights were repacked or their row kernel copies dropped: the
+        stack built before steps aside from such layers rather than take them). Returns
+        why there is none, or None."""
+        step_ops = self.step_ops
+        no_stack = LayerStack.fits(self.model, step_ops)
+        self.layer_stack = (
+            LayerStack(self.model, step_ops, self.kv_caches, self.block_size)
+            if no_stack is None and step_ops is not None
+            else None
+        )
+        return no_stack
 
     @property
     def step_ops(self) -> NativeKernels | None:

@@ -49,6 +49,7 @@ from worker.model.llama import (
     ROWS_KERNEL_MAX,
     DecoderLayer,
     Linear,
+    LinearPath,
     LlamaForCausalLM,
     padded_rows,
 )
@@ -68,7 +69,7 @@ class _LinearCall:
     address: weight), "int16" (the C int16 products: weight, scale, bias or 0) or "torch"
     (oneDNN's packed matmul or F.linear on `weight` and `bias`, rows padded where `pads`)."""
 
-    kind: str
+    kind: LinearPath
     ptrs: tuple[int, int, int] = (0, 0, 0)
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
@@ -76,15 +77,18 @@ class _LinearCall:
     pads: bool = False
 
     @staticmethod
-    def of(m: Linear) -> _LinearCall:
-        """The path `Linear.matmul` takes for m at <= ROWS_KERNEL_MAX rows with the C ops."""
-        bias = m.bias.data_ptr() if m.bias is not None else 0
-        if m.int16_weight is not None:
+    def of(m: Linear, kernels: NativeKernels) -> _LinearCall:
+        """m as `Linear.matmul` computes it with the C ops at <= MAX_ROWS rows."""
+        kind = m.path(MAX_ROWS, kernels)
+        if kind == "int16":
             w = m.int16_weight
-            return _LinearCall("int16", (w.wq.data_ptr(), w.scale.data_ptr(), bias))
-        if m.rows_weight is not None:
+            assert w is not None
+            bias = m.bias.data_ptr() if m.bias is not None else 0
+            return _LinearCall(kind, (w.wq.data_ptr(), w.scale.data_ptr(), bias))
+        if kind == "rows":
+            assert m.rows_weight is not None
             assert m.bias is None  # attach_rows_weights copies bias-free layers only
-            return _LinearCall("rows", (m.rows_weight.data_ptr(), 0, 0))
+            return _LinearCall(kind, (m.rows_weight.data_ptr(), 0, 0))
         pads = m.rows_for(1) != 1
         return _LinearCall("torch", weight=m.weight, bias=m.bias, packed=m.packed, pads=pads)
 
@@ -202,7 +206,7 @@ class LayerStack:
         self._xq_bytes, scratch_bytes = int16_scratch_bytes(R, max(C, H * D, inter))
         self.scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
         self.layers = [
-            self._weights(layer, kv)
+            self._weights(layer, kv, kernels)
             for layer, kv in zip(_decoder_layers(model), kv_caches, strict=True)
         ]
         self._watched = _watched(model)
@@ -233,13 +237,16 @@ class LayerStack:
             return "linear layers of differing dtypes"
         return None
 
-    def _weights(self, layer: DecoderLayer, kv: tuple[torch.Tensor, torch.Tensor]) -> _Weights:
+    @staticmethod
+    def _weights(
+        layer: DecoderLayer, kv: tuple[torch.Tensor, torch.Tensor], kernels: NativeKernels
+    ) -> _Weights:
         return _Weights(
             norm1=layer.input_layernorm.weight.data_ptr(),
             norm2=layer.post_attention_layernorm.weight.data_ptr(),
             eps=layer.input_layernorm.eps,
             scale=layer.self_attn.scale,
-            linears=tuple(_LinearCall.of(m) for m in _layer_linears(layer)),
+            linears=tuple(_LinearCall.of(m, kernels) for m in _layer_linears(layer)),
             k_cache=kv[0].data_ptr(),
             v_cache=kv[1].data_ptr(),
         )

@@ -8,6 +8,8 @@ Shapes: T tokens, H heads, KVH kv heads, D head_dim, C hidden size.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,7 @@ from worker.model.quant import Int8Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([NB, BS, KVH, D], [NB, BS, KVH, D])
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2] each
+LinearPath = Literal["int16", "rows", "torch"]  # the kernel a Linear's matmul runs
 
 # Candidates per row scored again at full precision behind a narrow output projection.
 RESCORED = 16
@@ -112,6 +115,19 @@ class Linear(nn.Module):
         xp[rows:].zero_()
         return xp
 
+    def path(self, tokens: int | None, ops: NativeKernels | None) -> LinearPath:
+        """Which kernel `matmul` runs for `tokens` real rows (None: all of them) with the C
+        kernels `ops` (or None): "int16" (the 16-bit integer products), "rows" (the C row
+        kernel) or "torch" (oneDNN's packed matmul, or F.linear). The layer stack asks the
+        same question once for the steps it takes (worker.model.layer_stack)."""
+        if ops is None:
+            return "torch"
+        if self.int16_weight is not None:
+            return "int16"
+        if self.rows_weight is not None and tokens is not None and tokens <= ROWS_KERNEL_MAX:
+            return "rows"
+        return "torch"
+
     def matmul(
         self, xp: torch.Tensor, tokens: int | None = None, ops: NativeKernels | None = None
     ) -> torch.Tensor:
@@ -122,14 +138,12 @@ class Linear(nn.Module):
         (padding rows zeroed, as the padded matmul leaves them). With the C kernels a
         float32 layer holding `int16_weight` computes all its rows as 16-bit integer
         products (its weight is plain then: no padding rows)."""
-        if ops is not None and self.int16_weight is not None:
+        path = self.path(tokens, ops)
+        if path == "int16":
+            assert ops is not None and self.int16_weight is not None
             return ops.linear_i16(xp, self.int16_weight, self.bias)
-        if (
-            ops is not None
-            and self.rows_weight is not None
-            and tokens is not None
-            and tokens <= ROWS_KERNEL_MAX
-        ):
+        if path == "rows":
+            assert ops is not None and self.rows_weight is not None and tokens is not None
             return ops.matmul_rows(xp, self.rows_weight, tokens)
         if self.packed:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
