@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.model.builds import kernel_builds, load_build
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
@@ -22,7 +23,6 @@ from worker.model.native import (
     Int16Weight,
     NativeKernels,
     int16_layout,
-    load_native,
 )
 from worker.model.packing import attach_int16_weights, pack_linear_layers
 from worker.request import SamplingParams
@@ -30,16 +30,35 @@ from worker.request import SamplingParams
 X_MAX = 4095  # the kernel's |xq| (13-bit inputs)
 
 
-@pytest.fixture(scope="module")
-def ops() -> NativeKernels:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
+@pytest.fixture(scope="module", params=kernel_builds(needs_avx2=True))
+def ops(request: pytest.FixtureRequest) -> NativeKernels:
+    """The products in each build this CPU runs that has them (tests/model/builds.py):
+    its own, and the AVX2 one where its own is the VNNI build."""
+    kernels = load_build(request.param)
     # every CPU of this machine kind has AVX2 and FMA; those with AVX-512 VNNI get its build
     flags = read_cpu_flags()
-    assert loaded.kernels.int16_built == ({"avx2", "fma"} <= flags)
-    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
-    assert loaded.kernels.int16_lanes == (16 if vnni else 8 if loaded.kernels.int16_built else 0)
-    return loaded.kernels
+    assert kernels.int16_built == ({"avx2", "fma"} <= flags)
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags and request.param == "native"
+    assert kernels.int16_lanes == (16 if vnni else 8 if kernels.int16_built else 0)
+    return kernels
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 64, 67, 300])
+def test_the_avx2_and_vnni_builds_give_the_same_sums(rows: int) -> None:
+    """The AVX2 build (column blocks of 8) and the AVX-512 VNNI one (blocks of 16) round
+    the inputs alike and sum the same integer products in the same blocks: their outputs
+    are equal bit for bit, whatever the build a CPU takes. Where this CPU has no VNNI its
+    own build is the AVX2 one, and the test holds it against itself."""
+    builds = kernel_builds(needs_avx2=True)
+    avx2, own = load_build(builds[-1]), load_build("native")
+    assert avx2.int16_lanes == 8
+    g = torch.Generator().manual_seed(40 + rows)
+    for k, n in ((576, 960), (1536, 576), (66, 48), (576, 64)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        b = torch.randn(n, generator=g)
+        x = torch.randn(rows, k, generator=g)
+        want = avx2.linear_i16(x, int16_layout(w, 8), b)
+        assert torch.equal(own.linear_i16(x, int16_layout(w, own.int16_lanes), b), want)
 
 
 def _rounded_inputs(x: torch.Tensor) -> torch.Tensor:

@@ -7,19 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.model.builds import kernel_builds, load_build
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.model.attention import quantize_rows, widen
 from worker.model.llama import RMSNorm, Rotary
 from worker.model.loader import load_model
-from worker.model.native import NativeKernels, load_native
+from worker.model.native import NativeKernels
 
 
-@pytest.fixture(scope="module")
-def ops() -> NativeKernels:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
-    return loaded.kernels
+@pytest.fixture(scope="module", params=kernel_builds())
+def ops(request: pytest.FixtureRequest) -> NativeKernels:
+    """The ops in each build this CPU runs (tests/model/builds.py)."""
+    return load_build(request.param)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])

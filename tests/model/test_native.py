@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.builds import kernel_builds, load_build
 from worker.config import EngineConfig
 from worker.hardware import read_cpu_flags
 from worker.model.attention import (
@@ -17,7 +18,7 @@ from worker.model.attention import (
     quantize_rows,
     widen,
 )
-from worker.model.native import load_native
+from worker.model.native import NativeKernels, load_native
 
 
 def _case(n: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
@@ -83,14 +84,12 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
     ],
 )
 def test_kernel_equals_the_torch_path(
-    heads: int, kv_heads: int, dim: int, window: int | None, bs: int
+    heads: int, kv_heads: int, dim: int, window: int | None, bs: int, kernels: NativeKernels
 ) -> None:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
     q, k_cache, v_cache, tables, lens = _case(11, heads, kv_heads, dim, bs, seed=heads * dim + bs)
     want = _torch_path(q, k_cache, v_cache, tables, lens, bs, window)
     got = torch.full_like(q, float("nan"))
-    loaded.kernels.paged_decode(
+    kernels.paged_decode(
         q,
         k_cache,
         v_cache,
@@ -103,34 +102,30 @@ def test_kernel_equals_the_torch_path(
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_kernel_reads_a_bfloat16_cache() -> None:
+def test_kernel_reads_a_bfloat16_cache(kernels: NativeKernels) -> None:
     """With a bf16 cache the kernel computes in float32 on the cache's values: it equals
     the float32 path run on the same (widened) values. On a CPU with avx512_bf16 the
     scores take q cut into two bfloat16 halves (vdpbf16ps on the stored keys; the library
     says so): still within the float32 tolerance, where q rounded once was off by ~3e-3."""
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
     bs = 16
     q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=11)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     # on where the CPU has the instruction (and the compiler knows it) but no AMX, where
     # float32 FMAs on widened keys are the faster; never elsewhere
     flags = read_cpu_flags()
-    assert not loaded.kernels.bf16_scores or ("avx512_bf16" in flags and "amx_bf16" not in flags)
+    assert not kernels.bf16_scores or ("avx512_bf16" in flags and "amx_bf16" not in flags)
     want = _torch_path(q, k16.float(), v16.float(), tables, lens, bs, None)
     got = torch.full_like(q, float("nan"))
     args = (tables.to(torch.int32), lens.to(torch.int32), got, 64**-0.5, 0)
-    loaded.kernels.paged_decode(q, k16, v16, *args)
+    kernels.paged_decode(q, k16, v16, *args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     with pytest.raises(TypeError, match="float32, bfloat16 or int8"):
-        loaded.kernels.paged_decode(q, k_cache.half(), v_cache.half(), *args)
+        kernels.paged_decode(q, k_cache.half(), v_cache.half(), *args)
 
 
-def test_kernel_reads_an_int8_cache() -> None:
+def test_kernel_reads_an_int8_cache(kernels: NativeKernels) -> None:
     """An int8 cache (rows of D values and their float32 scale): the kernel equals the
     float32 path run on the dequantized values, scores and sums in float32."""
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
     for bs, heads, kv_heads, dim, window in ((16, 9, 3, 64, None), (4, 8, 2, 32, 5)):
         q, k_cache, v_cache, tables, lens = _case(9, heads, kv_heads, dim, bs, seed=bs + dim)
         k8, v8 = quantize_rows(k_cache), quantize_rows(v_cache)
@@ -139,24 +134,24 @@ def test_kernel_reads_an_int8_cache() -> None:
         want = _torch_path(q, kw, vw, tables, lens, bs, window)
         got = torch.full_like(q, float("nan"))
         args = (tables.to(torch.int32), lens.to(torch.int32), got, dim**-0.5, window or 0)
-        loaded.kernels.paged_decode(q, k8, v8, *args)
+        kernels.paged_decode(q, k8, v8, *args)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
         # the same through paged_attention's gather path, which dequantizes in torch
         torch.testing.assert_close(
             _torch_path(q, k8, v8, tables, lens, bs, window), want, atol=1e-6, rtol=1e-6
         )
     with pytest.raises(ValueError, match="cache rows of 36"):
-        loaded.kernels.paged_decode(q, k8[..., :dim], v8[..., :dim], *args)
+        kernels.paged_decode(q, k8[..., :dim], v8[..., :dim], *args)
 
 
-def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel() -> None:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
+def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel(
+    kernels: NativeKernels,
+) -> None:
     bs = 4
     q, k_cache, v_cache, tables, lens = _case(5, 6, 2, 64, bs, seed=4)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     want = _torch_path(q.float(), k_cache.float(), v_cache.float(), tables, lens, bs, None)
-    in_place = InPlaceDecode(loaded.kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
+    in_place = InPlaceDecode(kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
     meta = _meta([], in_place, bs)
     no_kv = torch.empty(0, 2, 64, dtype=torch.bfloat16)
     got = paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, 64**-0.5)
@@ -164,13 +159,11 @@ def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel() -> None:
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)  # bf16 rounding of out
 
 
-def test_paged_attention_runs_decode_rows_through_the_kernel() -> None:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
+def test_paged_attention_runs_decode_rows_through_the_kernel(kernels: NativeKernels) -> None:
     bs = 4
     q, k_cache, v_cache, tables, lens = _case(5, 6, 2, 64, bs, seed=3)
     want = _torch_path(q, k_cache, v_cache, tables, lens, bs, None)
-    in_place = InPlaceDecode(loaded.kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
+    in_place = InPlaceDecode(kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
     meta = _meta([], in_place, bs)
     no_kv = torch.empty(0, 2, 64)
     got = paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, 64**-0.5)
@@ -178,11 +171,11 @@ def test_paged_attention_runs_decode_rows_through_the_kernel() -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_kernel_writes_bfloat16_rows_rounded_as_torch_rounds(cache_dtype: torch.dtype) -> None:
+def test_kernel_writes_bfloat16_rows_rounded_as_torch_rounds(
+    cache_dtype: torch.dtype, kernels: NativeKernels
+) -> None:
     """A bfloat16 output (the input of a bfloat16 output projection) holds the float32
     output rounded to nearest even, bit for bit, whatever the cache holds."""
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
     bs = 16
     q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=21)
     if cache_dtype == torch.int8:
@@ -191,25 +184,23 @@ def test_kernel_writes_bfloat16_rows_rounded_as_torch_rounds(cache_dtype: torch.
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     args = (tables.to(torch.int32), lens.to(torch.int32))
     wide = torch.full_like(q, float("nan"))
-    loaded.kernels.paged_decode(q, k_cache, v_cache, *args, wide, 64**-0.5, 0)
+    kernels.paged_decode(q, k_cache, v_cache, *args, wide, 64**-0.5, 0)
     narrow = torch.full_like(q, float("nan"), dtype=torch.bfloat16)
-    loaded.kernels.paged_decode(q, k_cache, v_cache, *args, narrow, 64**-0.5, 0)
+    kernels.paged_decode(q, k_cache, v_cache, *args, narrow, 64**-0.5, 0)
     assert torch.equal(narrow, wide.bfloat16())
     with pytest.raises(TypeError, match="contiguous"):
-        loaded.kernels.paged_decode(q, k_cache, v_cache, *args, wide.half(), 64**-0.5, 0)
+        kernels.paged_decode(q, k_cache, v_cache, *args, wide.half(), 64**-0.5, 0)
     with pytest.raises(ValueError, match="an output of"):
-        loaded.kernels.paged_decode(q, k_cache, v_cache, *args, wide[:4], 64**-0.5, 0)
+        kernels.paged_decode(q, k_cache, v_cache, *args, wide[:4], 64**-0.5, 0)
 
 
-def test_paged_attention_writes_into_the_output_projections_rows() -> None:
+def test_paged_attention_writes_into_the_output_projections_rows(kernels: NativeKernels) -> None:
     """With `out` (the output projection's input: its dtype, rows padded past T) the
     attention's rows land in its first T rows, rounded as a cast rounds; the padding rows
     are left as they were."""
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
     bs = 4
     q, k_cache, v_cache, tables, lens = _case(5, 6, 2, 64, bs, seed=8)
-    in_place = InPlaceDecode(loaded.kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
+    in_place = InPlaceDecode(kernels, tables.to(torch.int32), lens.to(torch.int32), 0)
     meta = _meta([], in_place, bs)
     want = paged_attention(q, None, None, k_cache, v_cache, meta, 64**-0.5)  # [5, 6, 64]
     out = torch.full((8, 6, 64), 7.0, dtype=torch.bfloat16)
@@ -280,3 +271,20 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
     else:
         assert auto.info.kv_cache_dtype.startswith("float32 (auto")
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in narrow.kv_caches)
+
+
+def test_older_instruction_sets_build_their_own_paths() -> None:
+    """A build for an older -march than this CPU's is a library of its own that takes that
+    instruction set's paths: no AVX-512 kernels (the row kernel, bfloat16 scores, the
+    VNNI products) below it, no int16 products without AVX2."""
+    native = load_build("native")
+    assert native.march == "native"
+    older = kernel_builds()[1:]
+    assert older, "every CPU of this machine kind runs an older build than its own"
+    for march in older:
+        kernels = load_build(march)
+        assert kernels.march == march and kernels.path != native.path
+        assert not kernels.matmul_rows_built and not kernels.bf16_scores
+        assert kernels.int16_lanes == (8 if march == "x86-64-v3" else 0)
+    loaded = load_native(march="x86-64-v3")
+    assert "built for x86-64-v3" in loaded.reason

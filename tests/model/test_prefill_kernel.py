@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.native import load_native, prefill_kernel_fits
+from worker.model.native import NativeKernels, prefill_kernel_fits
 
 
 def _case(T: int, context: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
@@ -65,23 +65,26 @@ def _reference(q, k_cache, v_cache, table, context: int, scale: float) -> torch.
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_prompt_kernel_equals_causal_sdpa(
-    T: int, context: int, heads: int, kv_heads: int, dim: int, bs: int, cache_dtype: torch.dtype
+    T: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    bs: int,
+    cache_dtype: torch.dtype,
+    kernels: NativeKernels,
 ) -> None:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
     assert prefill_kernel_fits(heads, kv_heads, dim, bs)
     q, k_cache, v_cache, table = _case(T, context, heads, kv_heads, dim, bs, seed=T + context)
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = dim**-0.5
     got = torch.full_like(q, float("nan"))
-    loaded.kernels.prefill_attention(q, k_cache, v_cache, table, context, got, scale)
+    kernels.prefill_attention(q, k_cache, v_cache, table, context, got, scale)
     want = _reference(q, k_cache, v_cache, table, context, scale)  # on the same values
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_prompt_kernel_refuses_what_its_tiles_do_not_hold() -> None:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
+def test_prompt_kernel_refuses_what_its_tiles_do_not_hold(kernels: NativeKernels) -> None:
     assert not prefill_kernel_fits(18, 2, 64, 16)  # 9 query heads per KV head
     assert not prefill_kernel_fits(9, 3, 60, 16)  # head dim not a multiple of 8
     assert not prefill_kernel_fits(9, 3, 64, 128)  # blocks longer than a chunk of keys
@@ -89,11 +92,9 @@ def test_prompt_kernel_refuses_what_its_tiles_do_not_hold() -> None:
     q, k_cache, v_cache, table = _case(8, 0, 18, 2, 64, 16, seed=1)
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="does not take 18 heads over 2 KV heads"):
-        loaded.kernels.prefill_attention(q, k_cache, v_cache, table, 0, out, 0.125)
+        kernels.prefill_attention(q, k_cache, v_cache, table, 0, out, 0.125)
     q, k_cache, v_cache, table = _case(8, 20, 9, 3, 64, 16, seed=2)
     with pytest.raises(ValueError, match="int32 block table of >= 2 blocks"):
-        loaded.kernels.prefill_attention(
-            q, k_cache, v_cache, table[:1], 20, torch.empty_like(q), 0.125
-        )
+        kernels.prefill_attention(q, k_cache, v_cache, table[:1], 20, torch.empty_like(q), 0.125)
     with pytest.raises(TypeError, match="float32, bfloat16 or int8"):
-        loaded.kernels.prefill_attention(q, k_cache.half(), v_cache.half(), table, 20, q, 0.125)
+        kernels.prefill_attention(q, k_cache.half(), v_cache.half(), table, 20, q, 0.125)

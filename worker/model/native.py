@@ -44,7 +44,7 @@ SOURCES = tuple(
 HEADERS = tuple(  # included by SOURCES
     Path(__file__).with_name("kernels") / name for name in ("bf16.h", "int16.h")
 )
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")  # and -march
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
 KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and out: float32)
@@ -134,6 +134,7 @@ class NativeKernels:
 
     lib: ctypes.CDLL
     path: Path
+    march: str = "native"  # the instruction set it was built for (`load_native`)
     scratch: Scratch = field(default_factory=Scratch, compare=False, repr=False)
 
     @property
@@ -543,16 +544,23 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def load_native(compiler: str | None = None) -> NativeLoad:
-    """Build (once per source, compiler and CPU) and load the CPU kernels."""
+def load_native(compiler: str | None = None, march: str = "native") -> NativeLoad:
+    """Build (once per source, compiler, instruction set and CPU) and load the CPU kernels.
+
+    `march` is the instruction set, as the compiler's -march names it: "native", this
+    CPU's, is what the engine runs. An older one that this CPU also runs builds the code
+    paths of CPUs without this one's extensions ("x86-64-v3": AVX2 and FMA, no AVX-512;
+    "x86-64-v2": neither, the plain loops), so that tests and benchmarks on an AVX-512
+    machine check those paths too."""
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return NativeLoad(None, f"no C compiler ({cc!r} not found)")
+    flags = (*CFLAGS, f"-march={march}")
     key = hashlib.sha256(
         b"\0".join(
             [
                 *(source.read_bytes() for source in SOURCES + HEADERS),
-                " ".join(CFLAGS + LIBS).encode(),
+                " ".join(flags + LIBS).encode(),
                 cc.encode(),
                 " ".join(sorted(read_cpu_flags())).encode(),
             ]
@@ -561,7 +569,7 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     target = cache_dir() / f"kvflow-{key}.so"
     if not target.exists():
         try:
-            _build(cc, target)
+            _build(cc, flags, target)
         except (OSError, subprocess.SubprocessError) as e:
             return NativeLoad(None, f"the C kernels did not build ({e})")
     try:
@@ -597,17 +605,20 @@ def load_native(compiler: str | None = None) -> NativeLoad:
     lib.kvflow_linear_i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.kvflow_linear_i16_lanes.restype = ctypes.c_int
     lib.kvflow_linear_i16_lanes.argtypes = []
-    return NativeLoad(NativeKernels(lib, target), f"C kernels built for this CPU ({target.name})")
+    built_for = "this CPU" if march == "native" else march
+    return NativeLoad(
+        NativeKernels(lib, target, march), f"C kernels built for {built_for} ({target.name})"
+    )
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent builders never load a half file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), *LIBS],
+            [cc, *flags, "-o", tmp, *map(str, SOURCES), *LIBS],
             capture_output=True,
             text=True,
             timeout=120,
