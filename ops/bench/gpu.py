@@ -7,7 +7,8 @@ Correctness, on the default model, on the device:
   greedy     float32 greedy output (5 chat prompts x 32 tokens) equals transformers'
              float32 greedy `generate` on the same device
   agreement  bfloat16's next-token picks under teacher forcing equal float32's greedy
-             continuations at >= 99% of positions (8 prompts x 64)
+             continuations at >= 99% of positions (8 prompts x 64); reported again with
+             cuBLAS's reduced-precision bfloat16 reductions off
 Throughput, kvflow continuous in bfloat16, each workload after a short warm-up: the
 long-tail batch job (64 requests) and the mixed workload (256 requests) on the default
 model and on a ~1B random-weight Llama (Llama 3.2 1B's shape with the default
