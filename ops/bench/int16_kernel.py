@@ -2,12 +2,15 @@
 
     python ops/bench/int16_kernel.py                    # rows 1 to 512, 2 threads
     python ops/bench/int16_kernel.py --rows 16,64 --out bench-results/int16
+    python ops/bench/int16_kernel.py --march x86-64-v3   # the AVX2 build, on any x86 CPU
 
 A decoder layer's four matmuls of the default model (qkv 960 x 576, o 576 x 576,
 gate+up 3072 x 576, down 576 x 1536; random weights of the same shapes), the int16
 kernel's calls (the inputs' rounding included) and oneDNN's float32 matmul on weights
 packed for the row count, the two alternating in one process; medians of 9 rounds, each
 a few hundred calls. Prints a table and writes JSON and a PNG of the time ratio.
+`--march` times the kernels built for an older instruction set than this CPU's (the AVX2
+build where this one has AVX-512 VNNI: its code, on this CPU's cores and memory).
 """
 
 from __future__ import annotations
@@ -47,10 +50,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", type=Path, default=Path("bench-results/int16-kernel"))
+    ap.add_argument("--march", default="native", help="the kernels' -march (default: this CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    loaded = load_native()
+    loaded = load_native(march=args.march)
     ops = loaded.kernels
     if ops is None or not ops.int16_built:
         sys.exit(f"no int16 kernel here ({loaded.reason})")
@@ -84,7 +88,8 @@ def main() -> None:
     flags = read_cpu_flags()
     isa = "AVX-512 VNNI" if ops.int16_lanes == 16 else "AVX2"
     lines = [
-        f"int16 kernel ({isa} build, column blocks of {ops.int16_lanes}) against oneDNN "
+        f"int16 kernel ({isa} build, -march={args.march}, column blocks of {ops.int16_lanes}) "
+        "against oneDNN "
         f"float32, {args.threads} threads; avx512_bf16: {'avx512_bf16' in flags}",
         "",
         "| rows | oneDNN float32 (ms) | int16 (ms) | int16 ÷ float32 | int16 GOP/s |",
