@@ -230,6 +230,8 @@ def test_a_linear_takes_int16_products_only_with_the_c_ops(ops: NativeKernels) -
     x = torch.randn(6, 64, generator=g)
     exact = torch.nn.functional.linear(x, lin.weight)
     lin.int16_weight = int16_layout(lin.weight, ops.int16_lanes)
+    assert lin.path(None, None) == "torch" and lin.path(None, ops) == "int16"
+    assert lin.path(4, ops) == "int16"  # whatever the rows
     assert torch.equal(lin.matmul(x), exact)  # no C ops: float32 as it was
     got = lin.matmul(x, ops=ops)
     assert not torch.equal(got, exact)  # rounded operands...

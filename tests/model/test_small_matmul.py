@@ -167,7 +167,12 @@ def test_linear_takes_the_kernel_up_to_its_row_limit_only(ops: NativeKernels) ->
     refusing: NativeKernels = _Refusing()  # type: ignore[assignment]
     # no copy in the kernel's layout, or more than ROWS_KERNEL_MAX real rows: the plain matmul
     assert torch.equal(m.matmul(x, 4, refusing), plain)
+    assert m.path(4, refusing) == "torch"
     m.rows_weight = rows_layout(m.weight)
+    # the path matmul takes, as the layer stack asks it
+    assert m.path(ROWS_KERNEL_MAX, refusing) == "rows" and m.path(1, refusing) == "rows"
+    assert m.path(ROWS_KERNEL_MAX + 1, refusing) == m.path(None, refusing) == "torch"
+    assert m.path(4, None) == "torch"
     assert torch.equal(m.matmul(x, ROWS_KERNEL_MAX + 1, refusing), plain)
     assert torch.equal(m.matmul(x, None, refusing), plain)
     with pytest.raises(AssertionError, match="the row kernel was called"):
