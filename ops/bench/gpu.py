@@ -223,7 +223,12 @@ def main() -> None:
     greedy = check_greedy(args.device, s)
     print(f"greedy float32 equals transformers: {greedy['equal']}/{greedy['of']}", file=sys.stderr)
     agreement = check_agreement(args.device, s)
-    print(f"bfloat16 agreement: {agreement['agree']}/{agreement['of']}", file=sys.stderr)
+    full = agreement.get("agree_full_reductions")
+    print(
+        f"bfloat16 agreement: {agreement['agree']}/{agreement['of']}"
+        + (f" ({full} with float32 reductions in cuBLAS)" if full is not None else ""),
+        file=sys.stderr,
+    )
     results = throughput(None, args.device, s, "default model")
     with tempfile.TemporaryDirectory() as tmp:
         shape = SMALL if args.quick else ONE_B

@@ -2,7 +2,7 @@
 
     python ops/bench/int16_kernel.py                    # rows 1 to 512, 2 threads
     python ops/bench/int16_kernel.py --rows 16,64 --out bench-results/int16
-    python ops/bench/int16_kernel.py --march x86-64-v3   # the AVX2 build, on any x86 CPU
+    python ops/bench/int16_kernel.py --march x86-64-v3   # the AVX2 build (AVX2 and FMA)
 
 A decoder layer's four matmuls of the default model (qkv 960 x 576, o 576 x 576,
 gate+up 3072 x 576, down 576 x 1536; random weights of the same shapes), the int16
@@ -49,7 +49,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,512")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=Path("bench-results/int16-kernel"))
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: bench-results/int16-kernel[-MARCH]"
+    )
     ap.add_argument("--march", default="native", help="the kernels' -march (default: this CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,11 +104,15 @@ def main() -> None:
         )
     text = "\n".join(lines)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "int16_kernel.md").write_text(text + "\n")
-    (args.out / "int16_kernel.json").write_text(json.dumps(results, indent=1))
-    plot(results, isa, args.out / "int16_kernel.png")
-    print(f"wrote {args.out}/int16_kernel.md, .json, .png")
+    out: Path = args.out or Path(
+        "bench-results/int16-kernel" + ("" if args.march == "native" else f"-{args.march}")
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "int16_kernel.md").write_text(text + "\n")
+    record = {"march": args.march, "lanes": ops.int16_lanes, "rows": results}
+    (out / "int16_kernel.json").write_text(json.dumps(record, indent=1))
+    plot(results, isa, out / "int16_kernel.png")
+    print(f"wrote {out}/int16_kernel.md, .json, .png")
 
 
 def plot(results: list[dict[str, float]], isa: str, path: Path) -> None:

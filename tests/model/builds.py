@@ -1,23 +1,30 @@
 """The C kernels in each build this CPU runs: its own ("native", what the engine loads)
-and the older instruction sets below it, whose code paths (AVX2 and FMA without AVX-512;
-the plain loops) the CPUs that lack this one's extensions take. Without these builds an
-AVX-512 machine would never compile or check the paths of an AVX2-only one."""
+and the older instruction sets below it, whose code paths (AVX-512 without bfloat16 or
+VNNI; AVX2 and FMA without AVX-512; the plain loops) the CPUs that lack this one's
+extensions take. Without these builds an AVX-512 machine would never compile or check
+the paths of an AVX2-only one, nor a Zen 4 those of an Intel Xeon without bfloat16."""
 
 from __future__ import annotations
 
 from worker.hardware import read_cpu_flags
-from worker.model.native import NativeKernels, load_native
+from worker.model.native import MARCH_FLAGS, NativeKernels, load_native
 
 
 def kernel_builds(*, needs_avx2: bool = False) -> list[str]:
-    """The -march targets to test on this CPU: "native", then "x86-64-v3" (AVX2 and FMA)
-    where native adds AVX-512 to it, then "x86-64-v2" (no AVX2: the plain loops) where
-    native has AVX2; `needs_avx2` leaves out the last (kernels it does not build)."""
+    """The -march targets to test on this CPU: "native", then each older x86-64 level it
+    runs whose paths differ from native's: "x86-64-v4" (AVX-512 without bfloat16 or VNNI)
+    where native adds those, "x86-64-v3" (AVX2 and FMA) where native has AVX-512,
+    "x86-64-v2" (no AVX2: the plain loops) where native has AVX2; `needs_avx2` leaves out
+    the last (kernels it does not build)."""
     flags = read_cpu_flags()
+    runs = {m for m, needs in MARCH_FLAGS.items() if needs <= flags}
     builds = ["native"]
-    if "avx512f" in flags and {"avx2", "fma"} <= flags:
+    beyond_v4 = {"avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"}
+    if {"x86-64-v3", "x86-64-v4"} <= runs and flags & beyond_v4:
+        builds.append("x86-64-v4")
+    if "x86-64-v3" in runs and "avx512f" in flags:
         builds.append("x86-64-v3")
-    if "avx2" in flags and not needs_avx2:
+    if "x86-64-v2" in runs and "avx2" in flags and not needs_avx2:
         builds.append("x86-64-v2")
     return builds
 

@@ -52,13 +52,12 @@ def test_gpu_script_refuses_a_missing_cuda_device(tmp_path: Path) -> None:
     assert not (tmp_path / "gpu.json").exists()
 
 
-def test_the_kit_carries_the_default_model_in_two_parts(tmp_path: Path, default_model_dir) -> None:
-    """ops/bench/gpu_kit.sh packs the default model for a GPU machine that takes 64 MiB a
-    call, and gpu_device.sh puts it back together there: part a alone fits a call with
-    the tracked tree, the parts join to the model's own bytes (its sum checked), and
-    Python then finds the joined model as the default one, with the gguf package
-    installed beside it. (`--help` stands in for gpu.py's run, which the test above
-    makes.)"""
+def test_the_kit_carries_the_default_model_in_two_parts(tmp_path: Path) -> None:
+    """ops/bench/gpu_kit.sh packs the default model in parts of at most 56 MiB for a GPU
+    machine without it, and gpu_device.sh puts it back together there: the parts join
+    to the model's own bytes (its sum checked), and Python then finds the joined model as
+    the default one, with the gguf package installed beside it. (`--help` stands in for
+    gpu.py's run, which the test above makes.)"""
     from worker.model.gguf import default_model_path
 
     bench = SCRIPT.parent
@@ -90,6 +89,9 @@ def test_the_kit_carries_the_default_model_in_two_parts(tmp_path: Path, default_
     assert list((tmp / "kvflow-site").glob("gguf-*.dist-info"))
     assert "--quick" in (tmp_path / "out" / "gpu.log").read_text()  # gpu.py's help
     script = str(bench / "gpu_device.sh")
+    (tmp / "kvflow-kit" / "model.part1").unlink()  # a machine that did not run take-a
+    bad = subprocess.run(["bash", script, "run"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "run take-a first" in bad.stderr
     bad = subprocess.run(["bash", script], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "usage" in bad.stderr
     env["GPUKIT"] = str(tmp_path / "none")

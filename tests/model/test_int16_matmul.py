@@ -33,7 +33,8 @@ X_MAX = 4095  # the kernel's |xq| (13-bit inputs)
 @pytest.fixture(scope="module", params=kernel_builds(needs_avx2=True))
 def ops(request: pytest.FixtureRequest) -> NativeKernels:
     """The products in each build this CPU runs that has them (tests/model/builds.py):
-    its own, and the AVX2 one where its own is the VNNI build."""
+    its own, and the AVX2 kernel's (also built with AVX-512) where its own is the VNNI
+    build."""
     kernels = load_build(request.param)
     # every CPU of this machine kind has AVX2 and FMA; those with AVX-512 VNNI get its build
     flags = read_cpu_flags()

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.model.builds import kernel_builds, load_build
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.model.attention import quantize_rows, widen
@@ -16,10 +15,10 @@ from worker.model.loader import load_model
 from worker.model.native import NativeKernels
 
 
-@pytest.fixture(scope="module", params=kernel_builds())
-def ops(request: pytest.FixtureRequest) -> NativeKernels:
-    """The ops in each build this CPU runs (tests/model/builds.py)."""
-    return load_build(request.param)
+@pytest.fixture
+def ops(kernels: NativeKernels) -> NativeKernels:
+    """The ops in each build this CPU runs (tests/model/conftest.py)."""
+    return kernels
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])

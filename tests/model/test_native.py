@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import worker.model.native as native_mod
 from tests.model.builds import kernel_builds, load_build
 from worker.config import EngineConfig
 from worker.hardware import read_cpu_flags
@@ -18,7 +19,7 @@ from worker.model.attention import (
     quantize_rows,
     widen,
 )
-from worker.model.native import NativeKernels, load_native
+from worker.model.native import MARCH_FLAGS, NativeKernels, load_native
 
 
 def _case(n: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
@@ -285,6 +286,20 @@ def test_older_instruction_sets_build_their_own_paths() -> None:
         kernels = load_build(march)
         assert kernels.march == march and kernels.path != native.path
         assert not kernels.matmul_rows_built and not kernels.bf16_scores
-        assert kernels.int16_lanes == (8 if march == "x86-64-v3" else 0)
+        assert kernels.int16_lanes == (0 if march == "x86-64-v2" else 8)
     loaded = load_native(march="x86-64-v3")
     assert "built for x86-64-v3" in loaded.reason
+
+
+def test_a_march_this_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library built for a level the CPU lacks would load and then die of an illegal
+    instruction at its first call: refused before the build, saying what is missing."""
+    with pytest.raises(ValueError, match="march must be 'native' or one of"):
+        load_native(march="znver9")
+    avx2_only = MARCH_FLAGS["x86-64-v2"] | MARCH_FLAGS["x86-64-v3"]
+    monkeypatch.setattr(native_mod, "read_cpu_flags", lambda: avx2_only - {"fma"})
+    with pytest.raises(ValueError, match="does not run x86-64-v3 \\(it lacks fma\\)"):
+        load_native(march="x86-64-v3")
+    monkeypatch.setattr(native_mod, "read_cpu_flags", lambda: avx2_only)
+    with pytest.raises(ValueError, match="does not run x86-64-v4 \\(it lacks avx512bw"):
+        load_native(march="x86-64-v4")

@@ -45,6 +45,13 @@ HEADERS = tuple(  # included by SOURCES
     Path(__file__).with_name("kernels") / name for name in ("bf16.h", "int16.h")
 )
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")  # and -march
+# The older instruction sets `load_native` builds for, by the /proc/cpuinfo flags a CPU
+# needs to run them (the x86-64 psABI levels; "native" is the CPU's own)
+MARCH_FLAGS = {
+    "x86-64-v2": frozenset({"cx16", "lahf_lm", "popcnt", "sse4_2", "ssse3"}),
+    "x86-64-v3": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}),
+    "x86-64-v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+}
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
 KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and out: float32)
@@ -549,9 +556,22 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
 
     `march` is the instruction set, as the compiler's -march names it: "native", this
     CPU's, is what the engine runs. An older one that this CPU also runs builds the code
-    paths of CPUs without this one's extensions ("x86-64-v3": AVX2 and FMA, no AVX-512;
-    "x86-64-v2": neither, the plain loops), so that tests and benchmarks on an AVX-512
-    machine check those paths too."""
+    paths of CPUs without this one's extensions ("x86-64-v4": AVX-512 without bfloat16 or
+    VNNI; "x86-64-v3": AVX2 and FMA, no AVX-512; "x86-64-v2": neither, the plain loops), so
+    that tests and benchmarks on an AVX-512 machine check those paths too. A level this CPU
+    does not run (its library would die at its first call) is a ValueError."""
+    if march != "native":
+        if march not in MARCH_FLAGS:
+            raise ValueError(
+                f"march must be 'native' or one of {sorted(MARCH_FLAGS)}, not {march!r}"
+            )
+        levels = list(MARCH_FLAGS)
+        needs = frozenset().union(*(MARCH_FLAGS[m] for m in levels[: levels.index(march) + 1]))
+        missing = needs - read_cpu_flags()
+        if missing:
+            raise ValueError(
+                f"this CPU does not run {march} (it lacks {', '.join(sorted(missing))})"
+            )
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return NativeLoad(None, f"no C compiler ({cc!r} not found)")
