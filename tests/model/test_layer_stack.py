@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.model.builds import load_build
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ScheduledRequest
 from worker.model.layer_stack import MAX_ROWS
 from worker.model.llama import Linear
 from worker.model.loader import load_model
-from worker.model.native import load_native
 from worker.model.packing import attach_rows_weights
 from worker.request import SamplingParams
 
@@ -56,9 +56,7 @@ def _both(runner: ModelRunner, steps: list[ScheduledRequest]) -> tuple[dict, dic
 
 
 def _int16_built() -> bool:
-    kernels = load_native().kernels
-    assert kernels is not None, "the C kernels build on every machine the tests run on"
-    return kernels.int16_built
+    return load_build("native").int16_built
 
 
 def _stacked(tiny_model_dir, **kw: str) -> ModelRunner:

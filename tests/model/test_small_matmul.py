@@ -8,17 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.builds import load_build
 from worker.hardware import read_cpu_flags
 from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
-from worker.model.native import NativeKernels, load_native, rows_layout
+from worker.model.native import NativeKernels, rows_layout
 from worker.model.packing import attach_rows_weights
 
 
 @pytest.fixture(scope="module")
 def ops() -> NativeKernels:
-    loaded = load_native()
-    assert loaded.kernels is not None, loaded.reason
-    return loaded.kernels
+    return load_build("native")
 
 
 def _built_here() -> bool:

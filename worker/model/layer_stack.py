@@ -215,6 +215,8 @@ class LayerStack:
         # inputs' padding then zeroed), and whether any linear layer goes through torch
         self.pads = any(call.pads for call in calls)
         self.torch_linears = any(call.kind == "torch" for call in calls)
+        # the last layer's MLP output, which forward adds to x: torch's tensor or buffer m
+        self._last_m_torch = bool(self.layers) and self.layers[-1].linears[3].kind == "torch"
         # the buffers' addresses, for the calls (the buffers never move)
         self._ptr = {k: v.data_ptr() for k, v in self.buffers.items()}
 
@@ -329,7 +331,7 @@ class LayerStack:
             gu = self._linear("h", gu_w, "gu", T, R, 2 * inter, C, held)
             lib.kvflow_silu_mul(gu, b["act"], T, R, inter, act, act)
             pending = self._linear("act", down_w, "m", T, R, C, inter, held)
-        x += held.get("m", self.buffers["m"])[:T]
+        x += (held["m"] if self._last_m_torch else self.buffers["m"])[:T]
         return x
 
     def _linear(
@@ -345,7 +347,7 @@ class LayerStack:
     ) -> int:
         """Buffer x's rows through one linear layer -> the address of its [T, N] output:
         buffer `out`'s rows, or, where torch computed it, a new tensor's (held[out] until the
-        next layer's output of the same name replaces it)."""
+        next torch output of the same name replaces it)."""
         b = self._ptr
         if call.kind == "torch":
             assert call.weight is not None
@@ -369,5 +371,4 @@ class LayerStack:
             raise RuntimeError(
                 f"a linear layer's kernel refused [{T}, {K}] x [{N}, {K}] ({status})"
             )
-        held.pop(out, None)
         return b[out]

@@ -46,11 +46,14 @@ HEADERS = tuple(  # included by SOURCES
 )
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")  # and -march
 # The older instruction sets `load_native` builds for, by the /proc/cpuinfo flags a CPU
-# needs to run them (the x86-64 psABI levels; "native" is the CPU's own)
+# needs to run them (the x86-64 psABI levels, each adding to the one before; "native" is
+# the CPU's own)
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_2", "ssse3"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
 MARCH_FLAGS = {
-    "x86-64-v2": frozenset({"cx16", "lahf_lm", "popcnt", "sse4_2", "ssse3"}),
-    "x86-64-v3": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}),
-    "x86-64-v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    "x86-64-v2": _V2,
+    "x86-64-v3": _V3,
+    "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
@@ -560,14 +563,13 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     VNNI; "x86-64-v3": AVX2 and FMA, no AVX-512; "x86-64-v2": neither, the plain loops), so
     that tests and benchmarks on an AVX-512 machine check those paths too. A level this CPU
     does not run (its library would die at its first call) is a ValueError."""
+    cpu = read_cpu_flags()
     if march != "native":
         if march not in MARCH_FLAGS:
             raise ValueError(
                 f"march must be 'native' or one of {sorted(MARCH_FLAGS)}, not {march!r}"
             )
-        levels = list(MARCH_FLAGS)
-        needs = frozenset().union(*(MARCH_FLAGS[m] for m in levels[: levels.index(march) + 1]))
-        missing = needs - read_cpu_flags()
+        missing = MARCH_FLAGS[march] - cpu
         if missing:
             raise ValueError(
                 f"this CPU does not run {march} (it lacks {', '.join(sorted(missing))})"
@@ -582,7 +584,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
                 *(source.read_bytes() for source in SOURCES + HEADERS),
                 " ".join(flags + LIBS).encode(),
                 cc.encode(),
-                " ".join(sorted(read_cpu_flags())).encode(),
+                " ".join(sorted(cpu)).encode(),
             ]
         )
     ).hexdigest()[:16]
