@@ -123,7 +123,7 @@ class ProcessEngine(EngineFront):
         # cores with the event loop, the broker and the database: libgomp's default spin
         # (300,000 turns) takes the CPU they need between ops, and on a busy machine it
         # cost 4-5x the CPU per one-token request and halved decode tok/s (measured with
-        # an engine microbenchmark under load; see README "The service path"). An
+        # an engine microbenchmark under load; see ops/bench/RESULTS.md, "Through the queue"). An
         # operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
         tuned = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
         with _environ(**({} if tuned else {"GOMP_SPINCOUNT": "1000"})):
