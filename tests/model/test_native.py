@@ -103,6 +103,29 @@ def test_kernel_equals_the_torch_path(
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_shares_sequences_or_pairs_between_threads(
+    threads: int, kernels: NativeKernels
+) -> None:
+    """Sequences go whole to a thread (their KV heads in turn) where there are at least 4
+    a thread, else (sequence, KV head) pairs: both orders give the torch path's output,
+    bfloat16 cache included, for any thread count (CPU of any size: set here)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for n in (2, 4 * threads - 1, 4 * threads, 13):
+            q, k_cache, v_cache, tables, lens = _case(n, 9, 3, 64, 16, seed=100 + n)
+            k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+            for k, v in ((k_cache, v_cache), (k16, v16)):
+                want = _torch_path(q, k.float(), v.float(), tables, lens, 16, None)
+                got = torch.full_like(q, float("nan"))
+                args = (tables.to(torch.int32), lens.to(torch.int32), got, 64**-0.5, 0)
+                kernels.paged_decode(q, k, v, *args)
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_reads_a_bfloat16_cache(kernels: NativeKernels) -> None:
     """With a bf16 cache the kernel computes in float32 on the cache's values: it equals
     the float32 path run on the same (widened) values. On a CPU with avx512_bf16 the
