@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.model.builds import load_build
-from worker.hardware import read_cpu_flags
+from worker.hardware import AMX_ROWS_KERNEL_MAX, read_cpu_flags, rows_kernel_limit
 from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
 from worker.model.native import NativeKernels, rows_layout
 from worker.model.packing import attach_rows_weights
@@ -22,7 +22,7 @@ def ops() -> NativeKernels:
 
 def _built_here() -> bool:
     flags = read_cpu_flags()
-    return "avx512_bf16" in flags and "amx_bf16" not in flags
+    return "avx512_bf16" in flags
 
 
 def _computes(ops: NativeKernels) -> bool:
@@ -34,7 +34,7 @@ def _computes(ops: NativeKernels) -> bool:
     return True
 
 
-def test_the_kernel_is_built_where_the_cpu_has_avx512_bf16_without_amx(ops: NativeKernels) -> None:
+def test_the_kernel_is_built_where_the_cpu_has_avx512_bf16(ops: NativeKernels) -> None:
     assert ops.matmul_rows_built == _built_here()
 
 
@@ -176,6 +176,11 @@ def test_linear_takes_the_kernel_up_to_its_row_limit_only(ops: NativeKernels) ->
     assert torch.equal(m.matmul(x, None, refusing), plain)
     with pytest.raises(AssertionError, match="the row kernel was called"):
         m.matmul(x, ROWS_KERNEL_MAX, refusing)  # at the limit: the kernel
+    # a lower limit of the layer's own (a CPU with AMX): the kernel up to it, torch past it
+    m.rows_max = 4
+    assert m.path(4, refusing) == "rows" and m.path(5, refusing) == "torch"
+    assert torch.equal(m.matmul(x, 5, refusing), plain)
+    m.rows_max = ROWS_KERNEL_MAX
     if _built_here():
         got = m.matmul(x, 12, ops)  # 12 real rows of `rows`: the kernel, padding zeroed
         assert got.shape == plain.shape and torch.count_nonzero(got[12:]) == 0
@@ -205,6 +210,20 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
     # without the kernels (no C compiler, or the torch ops chosen) no copies are kept
     assert attach_rows_weights(model, None).startswith("no row kernel")
     assert all(m.rows_weight is None for m in linears)
+    # the rows each layer takes it at: the CPU's limit, said in the start-up log
+    said = attach_rows_weights(model, ops, 4)
+    assert all(m.rows_max == 4 for m in linears)
+    assert ("at <= 4 rows" in said) == _built_here()
+    with pytest.raises(ValueError, match=r"max_rows must be 1\.\.128"):
+        attach_rows_weights(model, ops, ROWS_KERNEL_MAX + 1)
+
+
+def test_the_row_limit_is_lower_where_the_cpu_has_amx() -> None:
+    """oneDNN's AMX kernels win from 8 rows on (worker.hardware.AMX_ROWS_KERNEL_MAX)."""
+    amx = frozenset({"avx512_bf16", "amx_bf16"})
+    assert rows_kernel_limit(amx, ROWS_KERNEL_MAX) == AMX_ROWS_KERNEL_MAX < ROWS_KERNEL_MAX
+    assert rows_kernel_limit(frozenset({"avx512_bf16"}), ROWS_KERNEL_MAX) == ROWS_KERNEL_MAX
+    assert rows_kernel_limit(amx, 2) == 2
 
 
 def test_the_narrow_output_projection_takes_the_row_kernel(

@@ -375,7 +375,7 @@ class NativeKernels:
     @functools.cached_property
     def matmul_rows_built(self) -> bool:
         """Whether `matmul_rows` is built: where the library was built for a CPU with
-        avx512_bf16 and no AMX."""
+        avx512_bf16."""
         return bool(self.lib.kvflow_matmul_rows_built())
 
     @functools.cached_property
@@ -450,7 +450,7 @@ class NativeKernels:
         )
         if not self.matmul_rows_built:
             raise ValueError(
-                "the row kernel is not built for this CPU (it needs avx512_bf16, no AMX)"
+                "the row kernel is not built for this CPU (it needs avx512_bf16)"
             )
         _expect(1 <= tokens <= R, f"1..{R} rows", tokens)
         out = torch.empty((R, 16 * blocks), dtype=torch.bfloat16)
