@@ -449,9 +449,7 @@ class NativeKernels:
             weight,
         )
         if not self.matmul_rows_built:
-            raise ValueError(
-                "the row kernel is not built for this CPU (it needs avx512_bf16)"
-            )
+            raise ValueError("the row kernel is not built for this CPU (it needs avx512_bf16)")
         _expect(1 <= tokens <= R, f"1..{R} rows", tokens)
         out = torch.empty((R, 16 * blocks), dtype=torch.bfloat16)
         failed = self.lib.kvflow_matmul_rows_bf16(
