@@ -282,22 +282,6 @@ def choose_prefill_attention(
     return DtypeChoice("float32", "auto: the activations' dtype")
 
 
-# Rows up to which the C row kernel (worker/model/kernels/small_matmul.c) computes a
-# bfloat16 linear layer where the CPU also has AMX, whose tiles oneDNN's kernels use.
-# The default model's decoder layers and output projection, 2 threads, Intel Xeon with
-# AMX, against oneDNN's packed matmul, alternating step by step: decode steps 0.72x /
-# 0.68x the time at batch 1 / 4 (the linear layers alone 0.70x / 0.78x: the weights'
-# stream), 1.02x at 8, 1.24x at 16 (alone 1.10x, 1.53x: there AMX's arithmetic wins).
-AMX_ROWS_KERNEL_MAX = 4
-
-
-def rows_kernel_limit(cpu_flags: frozenset[str], kernel_max: int) -> int:
-    """Rows up to which a bfloat16 linear layer takes the C row kernel where it is built:
-    the kernel's own limit `kernel_max` (worker.model.llama.ROWS_KERNEL_MAX), or
-    AMX_ROWS_KERNEL_MAX where the CPU has AMX."""
-    return min(kernel_max, AMX_ROWS_KERNEL_MAX) if "amx_bf16" in cpu_flags else kernel_max
-
-
 def int8_reduce_range(cpu_flags: frozenset[str]) -> bool:
     """Whether int8 linear layers quantize their inputs to 7 bits (worker.model.quant):
     only where the CPU lacks integer dot products and 8 bits could saturate."""

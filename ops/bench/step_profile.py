@@ -595,28 +595,20 @@ def compare_rows_kernel(engine: LLMEngine, batches: tuple[int, ...], rounds: int
     """Decode steps with the linear layers through the C row kernel (kernels/
     small_matmul.c) and through oneDNN's packed matmul, alternating step by step (the
     kernel's copies of the weights dropped and put back, untimed); then passes of the
-    linear layers alone at the same batch, alternating likewise. The kernel takes every
-    batch up to its own limit (ROWS_KERNEL_MAX), also where the CPU's limit is lower (AMX:
-    worker.hardware.rows_kernel_limit), so the comparison shows where that limit lies."""
+    linear layers alone at the same batch, alternating likewise."""
     held = _rows_weights(engine)
     if not held:
-        return "(nothing to compare: no C row kernel here; it needs avx512_bf16)"
-    limits = {m: m.rows_max for m in held}
+        return "(nothing to compare: no C row kernel here; it needs avx512_bf16 without AMX)"
 
     def use(kernel: bool) -> Callable[[], None]:
         def setup() -> None:
             for m, w in held.items():
                 m.rows_weight = w if kernel else None
-                m.rows_max = llama_mod.ROWS_KERNEL_MAX
 
         return setup
 
-    def restore() -> None:
-        for m, w in held.items():
-            m.rows_weight, m.rows_max = w, limits[m]
-
     variants = {"row kernel": use(True), "oneDNN": use(False)}
-    table = _ratio_table(engine, batches, variants, rounds, restore)
+    table = _ratio_table(engine, batches, variants, rounds, use(True))
     return f"Decode step and linear layers alone, medians of {rounds} each:\n\n" + table
 
 

@@ -67,7 +67,7 @@ def _stacked(tiny_model_dir, **kw: str) -> ModelRunner:
 
 def _kinds(runner: ModelRunner) -> set[str]:
     assert runner.layer_stack is not None
-    return {call.kind for p in runner.layer_stack.plans for w in p.layers for call in w.linears}
+    return {call.kind for w in runner.layer_stack.layers for call in w.linears}
 
 
 def _drop_rows_weights(runner: ModelRunner) -> None:
@@ -82,12 +82,8 @@ def _drop_rows_weights(runner: ModelRunner) -> None:
 @pytest.mark.parametrize(
     ("variant", "dtype", "linear", "kv_cache", "kinds"),
     [
-        # the row kernel where it is built (avx512_bf16; up to 4 rows where the CPU has
-        # AMX, oneDNN's matmul past them), else oneDNN's matmul
+        # the row kernel where it is built (avx512_bf16, no AMX), else oneDNN's matmul
         ("smollm2", "bfloat16", "auto", "auto", None),
-        # the row kernel up to 4 rows on any CPU that builds it, oneDNN past them: two
-        # plans, the decode step of three rows through the first
-        ("smollm2", "bfloat16", "rows4", "auto", None),
         ("smollm2", "bfloat16", "auto", "float32", None),
         ("smollm2", "bfloat16", "auto", "int8", None),
         # the row kernel's copies dropped: oneDNN's packed bfloat16 matmul, padded rows
@@ -110,26 +106,16 @@ def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
         with pytest.raises(ValueError, match="int16"):
             _runner(tiny_model_dir, variant, dtype, linear, **kw)
         return
-    runner = _runner(tiny_model_dir, variant, dtype, "auto" if linear == "rows4" else linear, **kw)
+    runner = _runner(tiny_model_dir, variant, dtype, linear, **kw)
     assert runner.layer_stack is not None
     assert "one run of C calls" in runner.info.attention
     if kinds == {"torch"} and dtype == "bfloat16":
         _drop_rows_weights(runner)
-    if linear == "rows4":
-        attach_rows_weights(runner.model, runner.step_ops, 4)
-        assert runner.build_layer_stack() is None
     if kinds is not None:
         assert _kinds(runner) == kinds
     elif runner.step_ops is not None and runner.step_ops.matmul_rows_built:
-        # the row kernel, and oneDNN where a layer has a bias or past the row limit
-        stack = runner.layer_stack
-        assert stack is not None
-        plans = [{c.kind for w in p.layers for c in w.linears} for p in stack.plans]
-        limit = min(m.rows_max for m in runner.model.modules() if isinstance(m, Linear))
-        if limit < MAX_ROWS:
-            assert [p.rows for p in stack.plans] == [limit, MAX_ROWS]
-            assert plans[1] == {"torch"}
-        assert plans[0] == ({"rows", "torch"} if variant == "qwen2" else {"rows"})
+        # the row kernel, and oneDNN where a layer has a bias
+        assert _kinds(runner) == ({"rows", "torch"} if variant == "qwen2" else {"rows"})
     else:
         assert _kinds(runner) == {"torch"}
     g = torch.Generator().manual_seed(21)

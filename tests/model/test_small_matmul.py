@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.model.builds import load_build
-from worker.hardware import AMX_ROWS_KERNEL_MAX, read_cpu_flags, rows_kernel_limit
+from worker.hardware import read_cpu_flags
 from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
 from worker.model.native import NativeKernels, rows_layout
 from worker.model.packing import attach_rows_weights
@@ -36,6 +36,8 @@ def _computes(ops: NativeKernels) -> bool:
 
 def test_the_kernel_is_built_where_the_cpu_has_avx512_bf16(ops: NativeKernels) -> None:
     assert ops.matmul_rows_built == _built_here()
+    # on AMX tiles where the CPU has them (Linux grants them to any process that asks)
+    assert ops.matmul_rows_amx == ("amx_bf16" in read_cpu_flags())
 
 
 def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
@@ -49,13 +51,25 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
         rows_layout(torch.zeros(24, 6))
 
 
-# Row counts at and around the tiles' edges (tiles of 4 rows), and column counts whose
-# shares (one a thread, by the column block of 16) end in a full tile of 6 blocks or in a
-# part of one; 16 x 101 blocks give every thread full tiles and a part on up to 16 threads,
-# one block leaves every thread but one without work.
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 16, 37, 64, 130])
+# Row counts at and around the tiles' edges (tiles of 4 rows; AMX slabs of 16 and 32), and
+# column counts whose shares (one a thread, by the column block of 16, or by pairs of them
+# on AMX) end in a full tile of 6 blocks or in a part of one, or in a block alone; 16 x
+# 101 blocks give every thread full tiles and a part on up to 16 threads, one block leaves
+# every thread but one without work. Inputs of a multiple of 32 go to the AMX tiles where
+# the CPU has them; 48 and 80 take the vector tiles there too.
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 16, 17, 32, 37, 64, 130])
 @pytest.mark.parametrize(
-    ("k", "n"), [(576, 960), (1536, 576), (64, 48), (32, 16 * 13), (64, 16 * 101), (64, 16)]
+    ("k", "n"),
+    [
+        (576, 960),
+        (1536, 576),
+        (64, 48),
+        (32, 16 * 13),
+        (64, 16 * 101),
+        (64, 16),
+        (48, 64),
+        (80, 16 * 3),
+    ],
 )
 def test_matmul_rows_equals_the_matmul(ops: NativeKernels, tokens: int, k: int, n: int) -> None:
     if not _computes(ops):
@@ -111,11 +125,15 @@ def test_sums_are_rounded_to_bfloat16_as_torch_rounds(ops: NativeKernels) -> Non
     for j, (a, b) in enumerate(pairs):
         w[j] = torch.tensor([a, b])
     w = w.bfloat16()
-    x = torch.ones(1, 2, dtype=torch.bfloat16)
-    got = ops.matmul_rows(x, rows_layout(w), 1)[0]
-    want = (w.float() @ x.float()[0]).bfloat16()  # the float32 sums, exact here, rounded
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got[:8], want[:8])
-    assert got[4] == float("inf") and got[5] == float("-inf") and got[0] == 1.0
+    for k in (2, 32):  # the vector tiles; the AMX tiles where the CPU has them
+        wk = torch.zeros(n, k, dtype=torch.bfloat16)
+        wk[:, :2] = w
+        x = torch.zeros(1, k, dtype=torch.bfloat16)
+        x[0, :2] = 1.0
+        got = ops.matmul_rows(x, rows_layout(wk), 1)[0]
+        want = (w.float() @ x.float()[0, :2]).bfloat16()  # the float32 sums, exact, rounded
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (k, got[:8])
+        assert got[4] == float("inf") and got[5] == float("-inf") and got[0] == 1.0
 
 
 def test_a_nan_input_gives_nan_outputs_in_its_row_only(ops: NativeKernels) -> None:
@@ -176,11 +194,6 @@ def test_linear_takes_the_kernel_up_to_its_row_limit_only(ops: NativeKernels) ->
     assert torch.equal(m.matmul(x, None, refusing), plain)
     with pytest.raises(AssertionError, match="the row kernel was called"):
         m.matmul(x, ROWS_KERNEL_MAX, refusing)  # at the limit: the kernel
-    # a lower limit of the layer's own (a CPU with AMX): the kernel up to it, torch past it
-    m.rows_max = 4
-    assert m.path(4, refusing) == "rows" and m.path(5, refusing) == "torch"
-    assert torch.equal(m.matmul(x, 5, refusing), plain)
-    m.rows_max = ROWS_KERNEL_MAX
     if _built_here():
         got = m.matmul(x, 12, ops)  # 12 real rows of `rows`: the kernel, padding zeroed
         assert got.shape == plain.shape and torch.count_nonzero(got[12:]) == 0
@@ -210,20 +223,6 @@ def test_rows_weights_are_attached_where_the_kernel_is(ops: NativeKernels, tiny_
     # without the kernels (no C compiler, or the torch ops chosen) no copies are kept
     assert attach_rows_weights(model, None).startswith("no row kernel")
     assert all(m.rows_weight is None for m in linears)
-    # the rows each layer takes it at: the CPU's limit, said in the start-up log
-    said = attach_rows_weights(model, ops, 4)
-    assert all(m.rows_max == 4 for m in linears)
-    assert ("at <= 4 rows" in said) == _built_here()
-    with pytest.raises(ValueError, match=r"max_rows must be 1\.\.128"):
-        attach_rows_weights(model, ops, ROWS_KERNEL_MAX + 1)
-
-
-def test_the_row_limit_is_lower_where_the_cpu_has_amx() -> None:
-    """oneDNN's AMX kernels win from 8 rows on (worker.hardware.AMX_ROWS_KERNEL_MAX)."""
-    amx = frozenset({"avx512_bf16", "amx_bf16"})
-    assert rows_kernel_limit(amx, ROWS_KERNEL_MAX) == AMX_ROWS_KERNEL_MAX < ROWS_KERNEL_MAX
-    assert rows_kernel_limit(frozenset({"avx512_bf16"}), ROWS_KERNEL_MAX) == ROWS_KERNEL_MAX
-    assert rows_kernel_limit(amx, 2) == 2
 
 
 def test_the_narrow_output_projection_takes_the_row_kernel(

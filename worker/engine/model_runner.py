@@ -24,7 +24,6 @@ from worker.hardware import (
     detect_cores,
     read_cpu_flags,
     resolve_device,
-    rows_kernel_limit,
 )
 from worker.model.attention import (
     AttentionMetadata,
@@ -37,7 +36,7 @@ from worker.model.attention import (
 )
 from worker.model.layer_stack import MAX_ROWS as STACK_ROWS
 from worker.model.layer_stack import LayerStack
-from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
+from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import (
     I8_SCALE_BYTES,
@@ -156,11 +155,8 @@ class ModelRunner:
         if int16 is not None:
             linear = f"{done} ({int16.reason})"
         # decode steps and short prompt chunks: the linear layers through the C row
-        # kernel (worker.model.llama.ROWS_KERNEL_MAX; fewer rows where the CPU has AMX),
-        # whose weights' copy is made here
-        row_kernel = attach_rows_weights(
-            self.model, step_ops, rows_kernel_limit(read_cpu_flags(), ROWS_KERNEL_MAX)
-        )
+        # kernel (worker.model.llama.ROWS_KERNEL_MAX), whose weights' copy is made here
+        row_kernel = attach_rows_weights(self.model, step_ops)
         if step_ops is not None and int16 is None:
             linear += f"; {row_kernel}"
         kv = choose_kv_dtype(

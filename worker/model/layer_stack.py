@@ -77,10 +77,9 @@ class _LinearCall:
     pads: bool = False
 
     @staticmethod
-    def of(m: Linear, kernels: NativeKernels, rows: int) -> _LinearCall:
-        """m as `Linear.matmul` computes it with the C ops at `rows` rows (and at any row
-        count of the plan it is made for: see `_Plan`)."""
-        kind = m.path(rows, kernels)
+    def of(m: Linear, kernels: NativeKernels) -> _LinearCall:
+        """m as `Linear.matmul` computes it with the C ops at <= MAX_ROWS rows."""
+        kind = m.path(MAX_ROWS, kernels)
         if kind == "int16":
             w = m.int16_weight
             assert w is not None
@@ -108,21 +107,6 @@ class _Weights:
     v_cache: int
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The layers' calls for steps of more rows than the plan before and at most `rows`:
-    a linear layer's kernel depends on the row count (`Linear.path`: the row kernel up to
-    the layer's `rows_max`, oneDNN past it), so the stack holds one plan a row limit."""
-
-    rows: int
-    layers: tuple[_Weights, ...]
-    # whether torch's matmuls take rows padded as `Linear.rows_for` pads them (their
-    # inputs' padding then zeroed)
-    pads: bool
-    # the last layer's MLP output, which forward adds to x: torch's tensor or buffer m
-    last_m_torch: bool
-
-
 # (attribute table, key, the object found there when the stack was built)
 Watched = tuple[dict[str, object], str, object]
 
@@ -130,8 +114,8 @@ Watched = tuple[dict[str, object], str, object]
 def _watched(model: LlamaForCausalLM) -> list[Watched]:
     """Everything the stack reads, and the owner's table it sits in: each layer, its norms
     and their weights, its four linear layers and, for each, its weight (a repack replaces
-    it), the int16 weight (values and scales), the row kernel's copy and the rows it takes,
-    and the bias (each or None). The tables are read directly because nn.Module's lookup of a submodule or
+    it), the int16 weight (values and scales), the row kernel's copy and the bias (each or
+    None). The tables are read directly because nn.Module's lookup of a submodule or
     parameter costs ~1 us: 300 us a step over the default model's layers, against 16 us
     this way."""
     out: list[Watched] = []
@@ -157,7 +141,6 @@ def _watched(model: LlamaForCausalLM) -> list[Watched]:
                 keep(m._parameters, "weight")  # type: ignore[attr-defined]
                 keep(vars(m), "int16_weight")
                 keep(vars(m), "rows_weight")
-                keep(vars(m), "rows_max")
                 keep(m._parameters, "bias")  # type: ignore[attr-defined]
     return out
 
@@ -222,19 +205,18 @@ class LayerStack:
         # them, for the widest of the layers' inputs
         self._xq_bytes, scratch_bytes = int16_scratch_bytes(R, max(C, H * D, inter))
         self.scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
-        # a plan for each row count where a linear layer changes kernel, and MAX_ROWS
-        layers = _decoder_layers(model)
-        limits = {m.rows_max for layer in layers for m in _layer_linears(layer)}
-        self.plans = [
-            self._plan(layers, kv_caches, kernels, rows)
-            for rows in sorted({r for r in limits if r < MAX_ROWS} | {MAX_ROWS})
+        self.layers = [
+            self._weights(layer, kv, kernels)
+            for layer, kv in zip(_decoder_layers(model), kv_caches, strict=True)
         ]
-        self.num_layers = len(layers)
         self._watched = _watched(model)
-        # whether any linear layer goes through torch (for the start-up log)
-        self.torch_linears = any(
-            call.kind == "torch" for p in self.plans for w in p.layers for call in w.linears
-        )
+        calls = [call for w in self.layers for call in w.linears]
+        # whether torch's matmuls take rows padded as `Linear.rows_for` pads them (their
+        # inputs' padding then zeroed), and whether any linear layer goes through torch
+        self.pads = any(call.pads for call in calls)
+        self.torch_linears = any(call.kind == "torch" for call in calls)
+        # the last layer's MLP output, which forward adds to x: torch's tensor or buffer m
+        self._last_m_torch = bool(self.layers) and self.layers[-1].linears[3].kind == "torch"
         # the buffers' addresses, for the calls (the buffers never move)
         self._ptr = {k: v.data_ptr() for k, v in self.buffers.items()}
 
@@ -258,32 +240,23 @@ class LayerStack:
         return None
 
     @staticmethod
-    def _plan(
-        layers: list[DecoderLayer],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        kernels: NativeKernels,
-        rows: int,
-    ) -> _Plan:
-        weights = tuple(
-            _Weights(
-                norm1=layer.input_layernorm.weight.data_ptr(),
-                norm2=layer.post_attention_layernorm.weight.data_ptr(),
-                eps=layer.input_layernorm.eps,
-                scale=layer.self_attn.scale,
-                linears=tuple(_LinearCall.of(m, kernels, rows) for m in _layer_linears(layer)),
-                k_cache=kv[0].data_ptr(),
-                v_cache=kv[1].data_ptr(),
-            )
-            for layer, kv in zip(layers, kv_caches, strict=True)
+    def _weights(
+        layer: DecoderLayer, kv: tuple[torch.Tensor, torch.Tensor], kernels: NativeKernels
+    ) -> _Weights:
+        return _Weights(
+            norm1=layer.input_layernorm.weight.data_ptr(),
+            norm2=layer.post_attention_layernorm.weight.data_ptr(),
+            eps=layer.input_layernorm.eps,
+            scale=layer.self_attn.scale,
+            linears=tuple(_LinearCall.of(m, kernels) for m in _layer_linears(layer)),
+            k_cache=kv[0].data_ptr(),
+            v_cache=kv[1].data_ptr(),
         )
-        calls = [call for w in weights for call in w.linears]
-        last_m_torch = bool(weights) and weights[-1].linears[3].kind == "torch"
-        return _Plan(rows, weights, any(call.pads for call in calls), last_m_torch)
 
     def current(self) -> bool:
         """Whether the model still holds every layer, weight and copy the stack was built
         over (a benchmark that swaps them, or a repack, makes the stack step aside)."""
-        return len(self.model.layers) == self.num_layers and all(
+        return len(self.model.layers) == len(self.layers) and all(
             table.get(key) is held for table, key, held in self._watched
         )
 
@@ -319,11 +292,10 @@ class LayerStack:
         if x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"the layer stack takes contiguous float32 rows, not {x.dtype}")
         T, C, H, KVH, D, inter = x.shape[0], self.C, self.H, self.KVH, self.D, self.inter
-        plan = next(p for p in self.plans if p.rows >= T)
         # rows the buffers carry: T, or T padded where torch's matmuls take padded rows
         # (the norms and silu_mul zero their outputs' padding; attention's, zeroed here,
         # stays zero: nothing else writes those rows)
-        R = padded_rows(T) if plan.pads else T
+        R = padded_rows(T) if self.pads else T
         if R > T:
             self.buffers["o"][T:R].zero_()
         lib, b = self.lib, self._ptr
@@ -336,7 +308,7 @@ class LayerStack:
         qkv_cols = (H + 2 * KVH) * D
         pending = 0  # the MLP output not yet added to x (the next norm adds it), by address
         held: dict[str, torch.Tensor] = {}  # torch's outputs, alive while the C calls read them
-        for w in plan.layers:
+        for w in self.layers:
             eps = ctypes.c_float(w.eps)
             (qkv_w, o_w, gu_w, down_w) = w.linears
             # (the first layer's norm adds nothing: its residual's flag as the per-op path's)
@@ -359,7 +331,7 @@ class LayerStack:
             gu = self._linear("h", gu_w, "gu", T, R, 2 * inter, C, held)
             lib.kvflow_silu_mul(gu, b["act"], T, R, inter, act, act)
             pending = self._linear("act", down_w, "m", T, R, C, inter, held)
-        x += (held["m"] if plan.last_m_torch else self.buffers["m"])[:T]
+        x += (held["m"] if self._last_m_torch else self.buffers["m"])[:T]
         return x
 
     def _linear(

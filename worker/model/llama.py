@@ -34,8 +34,7 @@ RESCORED = 16
 # 0.59-0.78x at 4-16, 0.78-0.90x at 24-64, 0.87-0.91x at 96-128; decode steps 0.78x /
 # 0.84x / 0.88x / 0.90x at batch 8 / 16 / 32 / 64, a prompt step of 128 tokens 0.88x. From
 # 256 rows on, prompt steps took the same time either way (0.99-1.03x at 256-1,024): oneDNN
-# keeps them. Where the CPU has AMX, oneDNN wins sooner: each layer's own limit
-# (`Linear.rows_max`) is then lower (worker.hardware.rows_kernel_limit).
+# keeps them.
 ROWS_KERNEL_MAX = 128
 # Below this hidden size a narrow output projection costs more than it saves: its
 # fixed part (widening [S, V] logits, picking candidates) stays while the matmul it
@@ -67,9 +66,6 @@ class Linear(nn.Module):
         # the same weight in the C row kernel's layout (worker.model.native.rows_layout),
         # or None: see `matmul`
         self.rows_weight: torch.Tensor | None = None
-        # the most real rows it takes (at most ROWS_KERNEL_MAX; fewer where the CPU's own
-        # matmuls win sooner: worker.hardware.rows_kernel_limit)
-        self.rows_max = ROWS_KERNEL_MAX
         # a float32 weight rounded for 16-bit integer products (worker.model.native.
         # int16_layout, worker.model.packing.attach_int16_weights), or None: see `matmul`
         self.int16_weight: Int16Weight | None = None
@@ -128,7 +124,7 @@ class Linear(nn.Module):
             return "torch"
         if self.int16_weight is not None:
             return "int16"
-        if self.rows_weight is not None and tokens is not None and tokens <= self.rows_max:
+        if self.rows_weight is not None and tokens is not None and tokens <= ROWS_KERNEL_MAX:
             return "rows"
         return "torch"
 
@@ -137,7 +133,7 @@ class Linear(nn.Module):
     ) -> torch.Tensor:
         """[R, in] already in the weights' dtype (with `rows_for` rows where the weights are
         narrower than float32) -> [R, out], same dtype. Where the caller says only the first
-        `tokens` rows are real (the rest padding), at most `rows_max` of them, and passes
+        `tokens` rows are real (the rest padding), at most ROWS_KERNEL_MAX of them, and passes
         the C kernels, a layer holding `rows_weight` computes them with the C row kernel
         (padding rows zeroed, as the padded matmul leaves them). With the C kernels a
         float32 layer holding `int16_weight` computes all its rows as 16-bit integer

@@ -379,6 +379,13 @@ class NativeKernels:
         return bool(self.lib.kvflow_matmul_rows_built())
 
     @functools.cached_property
+    def matmul_rows_amx(self) -> bool:
+        """Whether `matmul_rows` computes on AMX tiles (for inputs of a multiple of 32):
+        where the library was built for a CPU with AMX and Linux granted this process the
+        tiles (asked here, once)."""
+        return bool(self.lib.kvflow_matmul_rows_amx())
+
+    @functools.cached_property
     def int16_lanes(self) -> int:
         """The column blocks of the weight layout `linear_i16` reads (`int16_layout`): 16
         where the library was built for a CPU with AVX-512 VNNI, 8 for one with AVX2 and
@@ -621,6 +628,8 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     lib.kvflow_matmul_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.kvflow_matmul_rows_built.restype = ctypes.c_int
     lib.kvflow_matmul_rows_built.argtypes = []
+    lib.kvflow_matmul_rows_amx.restype = ctypes.c_int
+    lib.kvflow_matmul_rows_amx.argtypes = []
     lib.kvflow_linear_i16.restype = ctypes.c_int
     lib.kvflow_linear_i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.kvflow_linear_i16_lanes.restype = ctypes.c_int

@@ -63,22 +63,17 @@ def pack_linear_layers(model: LlamaForCausalLM, choice: str, device_type: str) -
     return f"oneDNN, {n} weight{'s' if n > 1 else ''} packed at load"
 
 
-def attach_rows_weights(
-    model: LlamaForCausalLM, kernels: NativeKernels | None, max_rows: int = ROWS_KERNEL_MAX
-) -> str:
+def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str:
     """Give each of the decoder's bfloat16 Linears and the output projection's narrow copy
     (no bias, out a multiple of 16, in even) a copy of its weight in the layout of the C
-    row kernel (`Linear.matmul`), taken at up to `max_rows` real rows (at most
-    ROWS_KERNEL_MAX; worker.hardware.rows_kernel_limit), where the kernel is built (a CPU
-    with avx512_bf16) and the copies fit ROWS_COPY_MAX_BYTES; else drop any such copies.
-    Returns what was done, for the start-up log. A second copy, not a view: oneDNN's
-    packed weight is opaque outside oneDNN."""
-    if not 1 <= max_rows <= ROWS_KERNEL_MAX:
-        raise ValueError(f"max_rows must be 1..{ROWS_KERNEL_MAX}, got {max_rows}")
+    row kernel (`Linear.matmul`), where the kernel is built (a CPU with avx512_bf16; on
+    AMX tiles where it has AMX) and the copies fit ROWS_COPY_MAX_BYTES; else drop any
+    such copies. Returns
+    what was done, for the start-up log. A second copy, not a view: oneDNN's packed weight
+    is opaque outside oneDNN."""
     linears = _linears(model)
     for m in linears:
         m.rows_weight = None
-        m.rows_max = max_rows
     if kernels is None or not kernels.matmul_rows_built:
         return "no row kernel (it needs avx512_bf16 and the C layer ops)"
     targets = [
@@ -96,8 +91,9 @@ def attach_rows_weights(
     for m in targets:
         plain = m.weight.to_dense() if m.packed else m.weight
         m.rows_weight = rows_layout(plain)
+    tiles = " on AMX tiles" if kernels.matmul_rows_amx else ""
     return (
-        f"at <= {max_rows} rows the C row kernel, over a second copy of "
+        f"at <= {ROWS_KERNEL_MAX} rows the C row kernel{tiles}, over a second copy of "
         f"{len(targets)} weights ({size >> 20} MB)"
     )
 
