@@ -598,7 +598,7 @@ def compare_rows_kernel(engine: LLMEngine, batches: tuple[int, ...], rounds: int
     linear layers alone at the same batch, alternating likewise."""
     held = _rows_weights(engine)
     if not held:
-        return "(nothing to compare: no C row kernel here; it needs avx512_bf16 without AMX)"
+        return "(nothing to compare: no C row kernel here; it needs avx512_bf16)"
 
     def use(kernel: bool) -> Callable[[], None]:
         def setup() -> None:
@@ -828,7 +828,7 @@ def main() -> None:
         "--no-rows-kernel",
         action="store_true",
         help="drop the C row kernel's weights (the layer stack built again over oneDNN's "
-        "matmuls), as where AMX or a large model leaves the linear layers to oneDNN",
+        "matmuls), as where a large model leaves the linear layers to oneDNN",
     )
     ap.add_argument(
         "--compare-rows-kernel",

@@ -72,8 +72,8 @@ def _kinds(runner: ModelRunner) -> set[str]:
 
 def _drop_rows_weights(runner: ModelRunner) -> None:
     """The row kernel's copies dropped and the stack built again: the linear layers then
-    go through oneDNN's packed bfloat16 matmul (as on a CPU with AMX, or a model too
-    large for the copy), wherever the row kernel is built."""
+    go through oneDNN's packed bfloat16 matmul (as for a model too large for the copy),
+    wherever the row kernel is built."""
     attach_rows_weights(runner.model, None)
     no_stack = runner.build_layer_stack()
     assert no_stack is None, no_stack
@@ -82,7 +82,8 @@ def _drop_rows_weights(runner: ModelRunner) -> None:
 @pytest.mark.parametrize(
     ("variant", "dtype", "linear", "kv_cache", "kinds"),
     [
-        # the row kernel where it is built (avx512_bf16, no AMX), else oneDNN's matmul
+        # the row kernel where it is built (avx512_bf16; on AMX tiles where the CPU has
+        # them), else oneDNN's matmul
         ("smollm2", "bfloat16", "auto", "auto", None),
         ("smollm2", "bfloat16", "auto", "float32", None),
         ("smollm2", "bfloat16", "auto", "int8", None),

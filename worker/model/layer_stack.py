@@ -22,9 +22,9 @@ the row kernel's bfloat16 weights (`Linear.rows_weight`, no bias), the int16 pro
 the layer's own weight and bias. The last is one torch call a layer, on a view of the
 stack's buffer with the rows padded as `Linear.rows_for` pads them (padding zeroed once a
 step: the C kernels write only the step's rows); it is how the stack runs where the
-linear layers are oneDNN's (an Intel Xeon with AMX, whose bfloat16 matmuls beat the row
-kernel; a model too large for the row kernel's copy) and the layers whose bias the row
-kernel does not take (Qwen2's q, k and v projections).
+linear layers are oneDNN's (a model too large for the row kernel's copy; a CPU without
+avx512_bf16 where bfloat16 was asked for) and the layers whose bias the row kernel does
+not take (Qwen2's q, k and v projections).
 
 The kernels, their order and their inputs are the per-op path's, so the results are the
 same bit for bit (tests/model/test_layer_stack.py); only the Python between them goes.
