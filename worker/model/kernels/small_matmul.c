@@ -117,12 +117,17 @@ static void any_tile(const uint16_t *x, const uint16_t *wp, uint16_t *out, const
 
 /* Linux hands a process the AMX tile data only once it asks (arch_prctl
  * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that dies of
- * SIGILL. -1: not asked yet; then 1 granted, 0 refused (the vector tiles are used). */
+ * SIGILL. -1: not asked yet; then 1 granted, 0 refused (the vector tiles are used). Atomic:
+ * callers from two threads (ctypes lets go of the GIL) may both ask, harmlessly. */
 static int amx_granted = -1;
 
 static int amx_ready(void) {
-    if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_granted;
+    int granted = __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
+    if (granted < 0) {
+        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&amx_granted, granted, __ATOMIC_RELEASE);
+    }
+    return granted;
 }
 
 /* The tile registers for a slab of r0 + r1 rows (r0 <= 16, r1 <= 16, r1 > 0 only with
