@@ -21,7 +21,7 @@
  * else is in the batch. Threads: the column blocks split in contiguous shares, one each.
  * Built where the CPU has avx512_bf16.
  *
- * Where the CPU also has AMX (and the kernel grants this process its tiles), the same
+ * Where the CPU also has AMX (and Linux grants this process the tiles), the same
  * layout feeds the tiles instead: a block's 16 pairs of inputs k .. k + 31 are one B tile
  * as they stand ([16 pairs, 16 columns, 2], 64 bytes a row), so the product goes in tiles
  * of up to 32 rows x 2 blocks (four float32 C tiles, two A tiles of x's rows, two B tiles),
