@@ -236,9 +236,9 @@ def test_bfloat16_decode_through_the_row_kernel_does_not_depend_on_the_batch(
 ) -> None:
     """Where the CPU has avx512_bf16 the bfloat16 linear layers of decode steps run through
     the C row kernel (worker.model.llama.ROWS_KERNEL_MAX; on AMX tiles where the CPU has
-    them; oneDNN elsewhere),
-    whose every output is one sum in one order whatever the batch: decode steps of 4
-    sequences give each sequence the very logits that steps of 16 give it (decode
+    them; oneDNN elsewhere), whose every output is one sum in one order whatever the
+    batch: decode steps of 4 sequences give each sequence the very logits that steps of
+    16 give it (decode
     attention, the C layer ops and the float32 re-scoring are per sequence too), and the
     agreement with float32 holds the bar (98.5% where bfloat16 is emulated, as above).
     With the kernel set aside (oneDNN, whose blocking follows the row count) the picks

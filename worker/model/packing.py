@@ -68,9 +68,8 @@ def attach_rows_weights(model: LlamaForCausalLM, kernels: NativeKernels | None) 
     (no bias, out a multiple of 16, in even) a copy of its weight in the layout of the C
     row kernel (`Linear.matmul`), where the kernel is built (a CPU with avx512_bf16; on
     AMX tiles where it has AMX) and the copies fit ROWS_COPY_MAX_BYTES; else drop any
-    such copies. Returns
-    what was done, for the start-up log. A second copy, not a view: oneDNN's packed weight
-    is opaque outside oneDNN."""
+    such copies. Returns what was done, for the start-up log. A second copy, not a view:
+    oneDNN's packed weight is opaque outside oneDNN."""
     linears = _linears(model)
     for m in linears:
         m.rows_weight = None

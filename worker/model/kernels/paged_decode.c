@@ -583,7 +583,8 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; task++) {
             const int i = by_seq ? task : task / KVH;
-            for (int h = by_seq ? 0 : task % KVH; h < (by_seq ? KVH : task % KVH + 1); h++) {
+            const int h0 = by_seq ? 0 : task % KVH, h1 = by_seq ? KVH : h0 + 1;
+            for (int h = h0; h < h1; h++) {
                 if (!ok) continue;
                 const int len = context_lens[i];
                 const int first = first_key(len, window);

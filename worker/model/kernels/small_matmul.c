@@ -179,10 +179,8 @@ static void amx_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M
             for (int m0 = 0; m0 < M; m0 += 32) {
                 const int r0 = M - m0 < 16 ? M - m0 : 16;
                 const int r1 = M - m0 <= 16 ? 0 : (M - m0 - 16 < 16 ? M - m0 - 16 : 16);
-                if (r0 * 32 + r1 != configured) {
-                    configure(r0, r1);
-                    configured = r0 * 32 + r1;
-                }
+                if (r0 * 32 + r1 != configured) configure(r0, r1);
+                configured = r0 * 32 + r1;
                 const uint16_t *xa = x + (size_t)m0 * K, *xb = xa + (size_t)16 * K;
                 _tile_zero(0);
                 if (two) _tile_zero(1);
@@ -214,17 +212,10 @@ static void amx_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M
 }
 #endif
 
-int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
-                            int N, int K) {
-    if (M < 1 || N % 16 != 0 || K % 2 != 0 || R < M) return 1;
+/* The product on the vector tiles: each thread takes a contiguous share of the blocks. */
+static void vector_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int N,
+                        int K) {
     const int blocks = N / 16, P = K / 2;
-#if defined(__AMX_BF16__)
-    if (K % 32 == 0 && amx_ready()) {
-        amx_rows(x, wp, out, M, N, K);
-        memset(out + (size_t)M * N, 0, sizeof(uint16_t) * (size_t)(R - M) * N);
-        return 0;
-    }
-#endif
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -235,6 +226,17 @@ int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out
                 any_tile(x, wp, out, M - r0 < TR ? M - r0 : TR, cb, P, N, r0, b);
         }
     }
+}
+
+int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
+                            int N, int K) {
+    if (M < 1 || N % 16 != 0 || K % 2 != 0 || R < M) return 1;
+#if defined(__AMX_BF16__)
+    if (K % 32 == 0 && amx_ready())
+        amx_rows(x, wp, out, M, N, K);
+    else
+#endif
+        vector_rows(x, wp, out, M, N, K);
     memset(out + (size_t)M * N, 0, sizeof(uint16_t) * (size_t)(R - M) * N);
     return 0;
 }
