@@ -70,6 +70,10 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
 # Blocks of 16 and 32 keys take the kernel's 16-keys-at-a-time score path where the CPU
 # has AVX-512 (a window starts runs mid-block: partial runs take the per-key path); 8
 # query heads per KV head at D 64 hold more accumulators than it keeps in registers.
+# With AVX2 a bfloat16 cache is read 4 keys and 3 query heads at a time, 32 values of a
+# value row at a time: 1, 4, 6 and 8 heads a group and D 48 and 80 leave remainders of
+# each, and windows and partial blocks runs of other than 4 keys.
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window", "bs"),
     [
@@ -82,13 +86,23 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
         (8, 2, 32, 21, 16),
         (16, 2, 64, None, 16),
         (6, 1, 64, 37, 32),
+        (12, 3, 48, None, 16),
+        (5, 5, 80, 19, 16),
     ],
 )
 def test_kernel_equals_the_torch_path(
-    heads: int, kv_heads: int, dim: int, window: int | None, bs: int, kernels: NativeKernels
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int | None,
+    bs: int,
+    cache_dtype: torch.dtype,
+    kernels: NativeKernels,
 ) -> None:
     q, k_cache, v_cache, tables, lens = _case(11, heads, kv_heads, dim, bs, seed=heads * dim + bs)
-    want = _torch_path(q, k_cache, v_cache, tables, lens, bs, window)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    # a bfloat16 cache: the float32 path on the same (widened) values
+    want = _torch_path(q, k_cache.float(), v_cache.float(), tables, lens, bs, window)
     got = torch.full_like(q, float("nan"))
     kernels.paged_decode(
         q,
