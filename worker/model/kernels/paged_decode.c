@@ -285,8 +285,8 @@ accumulate8(float *restrict acc_g, const float *restrict p, const float *restric
  * of them share each 32-bit lane, the even one low. Widening whole runs into a float32
  * copy first (as_f32) took a quarter of the kernel's time with the caches hot; with this
  * and the two functions below, one layer of 64 sequences of 216-295 tokens over 30
- * layers' caches took 0.76-0.80x the time with blocks scattered, 0.89-0.90x in order,
- * 0.74x with the caches hot, 0.81x on one thread (the AVX2 build on an AMD EPYC Zen 4,
+ * layers' caches took 0.76-0.82x the time with blocks scattered, 0.89-0.90x in order,
+ * 0.60-0.74x with the caches hot, 0.81x on one thread (the AVX2 build on an AMD EPYC Zen 4,
  * 2 threads, both builds alternating). */
 static inline __attribute__((always_inline)) void widen_eo(const uint16_t *row, int c, __m256 *e,
                                                            __m256 *o) {
