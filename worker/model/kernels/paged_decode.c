@@ -84,6 +84,13 @@ static inline __attribute__((always_inline)) size_t row_bytes(const int kind, co
     return kind == KV_I8 ? (size_t)D + sizeof(float) : (size_t)D * (kind == KV_BF16 ? 2 : 4);
 }
 
+/* Bytes from .. to of `next` (NULL: none) asked into L2, a line at a time. */
+static inline __attribute__((always_inline)) void ask_lines(const char *next, size_t from,
+                                                            size_t to) {
+    for (size_t off = from; next != NULL && off < to; off += 64)
+        __builtin_prefetch(next + off, 0, 1);
+}
+
 /* A run of `rows` cached rows as float32 [rows, D]: the run itself for a float32 cache; for
  * a bfloat16 one, widened into `wide` (a bf16 value is the top half of a float32); for an
  * int8 one, dequantized into `wide`. Widening a whole run once, rather than each value for
@@ -101,16 +108,14 @@ as_f32(const char *restrict run, int rows, const int D, float *restrict wide, co
        const char *next) {
     const int n = rows * D;
     if (kind == KV_F32) {
-        for (size_t off = 0; next != NULL && off < (size_t)n * 4; off += 64)
-            __builtin_prefetch(next + off, 0, 1);
+        ask_lines(next, 0, (size_t)n * 4);
         return (const float *)run;
     }
     if (kind == KV_I8) { /* [rows, D + 4] -> [rows, D] float32, each row times its scale */
         const size_t i8_row = row_bytes(KV_I8, D);
         for (int j = 0; j < rows; j++) {
             const char *row = run + (size_t)j * i8_row;
-            for (size_t off = 0; next != NULL && off < i8_row; off += 64)
-                __builtin_prefetch(next + (size_t)j * i8_row + off, 0, 1);
+            ask_lines(next, (size_t)j * i8_row, (size_t)(j + 1) * i8_row);
             float sc;
             memcpy(&sc, row + D, sizeof sc);
             const int8_t *src = (const int8_t *)row;
@@ -252,11 +257,14 @@ static inline __attribute__((always_inline)) __m256 score8(const float *restrict
     return sum8(acc);
 }
 
-static inline __attribute__((always_inline)) float max8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+static inline __attribute__((always_inline)) float max4(__m128 m) {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
+}
+
+static inline __attribute__((always_inline)) float max8(__m256 v) {
+    return max4(_mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 
 /* Pass 2 over one run of `stop` value rows vb [stop, D] for query head g: acc_g [D] +=
@@ -338,8 +346,7 @@ accumulate_eo(float *restrict acc, const float *restrict p, size_t m,
                 a[g][c] = _mm256_loadu_ps(acc + (size_t)g * D + 16 * c0 + 8 * c);
         for (int j = 0; j < stop; j++) {
             const uint16_t *vr = vb + (size_t)j * D;
-            for (int l = 0; next != NULL && c0 == 0 && l < 2 * D; l += 64) /* a row's lines */
-                __builtin_prefetch(next + (size_t)j * D * 2 + l, 0, 1);
+            if (c0 == 0) ask_lines(next, (size_t)j * D * 2, (size_t)(j + 1) * D * 2); /* a row */
             for (int c = 0; c < CN; c++) {
                 __m256 e, o;
                 widen_eo(vr, c0 + c, &e, &o);
@@ -447,9 +454,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             const size_t rows16 = (size_t)16 * D * 2;
             const uint16_t *kr16 = (const uint16_t *)run;
             for (; j + 16 <= stop; j += 16) {
-                for (size_t off = j * (size_t)D * 2; next != NULL && off < j * (size_t)D * 2 + rows16;
-                     off += 64)
-                    __builtin_prefetch(next + off, 0, 1);
+                ask_lines(next, j * (size_t)D * 2, j * (size_t)D * 2 + rows16);
                 for (int g = 0; g < G; g++) {
                     keep16(scores + (size_t)g * m + (t - first + j), mx16 + g,
                            score16_bf16(qb + (size_t)g * D, ql + (size_t)g * D,
@@ -457,8 +462,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                            scale);
                 }
             }
-            for (size_t off = j * (size_t)D * 2; next != NULL && off < (size_t)BS * D * 2; off += 64)
-                __builtin_prefetch(next + off, 0, 1); /* what is left of a whole block run */
+            ask_lines(next, j * (size_t)D * 2, (size_t)BS * D * 2); /* the rest of a block run */
             for (; j < stop; j++) { /* the run's last keys: the same two halves */
                 for (int g = 0; g < G; g++) {
                     const uint16_t *qg = qb + (size_t)g * D, *qr = ql + (size_t)g * D;
@@ -479,9 +483,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         if (eo) {
             const uint16_t *kr16 = (const uint16_t *)run;
             for (; j + 4 <= stop; j += 4) {
-                for (size_t off = j * (size_t)D * 2;
-                     next != NULL && off < (j + 4) * (size_t)D * 2; off += 64)
-                    __builtin_prefetch(next + off, 0, 1);
+                ask_lines(next, j * (size_t)D * 2, (j + 4) * (size_t)D * 2);
                 for (int g0 = 0; g0 < G; g0 += 3) {
                     const int gn = G - g0 < 3 ? G - g0 : 3;
                     __m128 s4[3];
@@ -494,8 +496,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                     }
                 }
             }
-            for (size_t off = j * (size_t)D * 2; next != NULL && off < (size_t)BS * D * 2; off += 64)
-                __builtin_prefetch(next + off, 0, 1);
+            ask_lines(next, j * (size_t)D * 2, (size_t)BS * D * 2);
             if (j == stop) continue;
             next = NULL; /* asked for: the last 1-3 keys of a partial run go the plain way */
         }
@@ -544,10 +545,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #endif
 #if defined(KVFLOW_AVX2)
     for (int g = 0; eo && g < G; g++) {
-        __m128 v = mx4[g];
-        v = _mm_max_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_max_ss(v, _mm_movehdup_ps(v));
-        const float top = _mm_cvtss_f32(v);
+        const float top = max4(mx4[g]);
         mx[g] = top > mx[g] ? top : mx[g];
     }
 #endif
@@ -591,8 +589,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             __m512 pv[MAX_VECTOR_ACC]; /* G <= MAX_VECTOR_ACC where in_regs */
             for (int j = 0; j < stop; j++) {
                 const char *vr = run + (size_t)j * row;
-                for (int l = 0; next != NULL && l < (int)row; l += 64) /* a line per line read */
-                    __builtin_prefetch(next + (size_t)j * row + l, 0, 1);
+                ask_lines(next, (size_t)j * row, (size_t)(j + 1) * row); /* as read */
                 float sc = 1.0f;
                 if (kind == KV_I8) memcpy(&sc, vr + D, sizeof sc);
                 for (int g = 0; g < G; g++)
