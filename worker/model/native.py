@@ -150,8 +150,8 @@ class NativeKernels:
     @property
     def bf16_scores(self) -> bool:
         """Whether a bfloat16 cache's scores take q cut into two bfloat16 halves (vdpbf16ps
-        on a CPU with avx512_bf16 but no AMX: within ~1e-5 of q as it is) rather than q as
-        it is."""
+        on a CPU with avx512_bf16 that is not an Intel core with AMX or AVX-512 FP16: within
+        ~1e-5 of q as it is) rather than q as it is."""
         return bool(self.lib.kvflow_bf16_scores())
 
     def paged_decode_entry(self, cache_dtype: torch.dtype) -> Callable[..., int]:

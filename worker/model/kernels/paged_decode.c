@@ -23,8 +23,8 @@
  * a float32): scores, softmax and sums stay float32. An int8 cache
  * (kvflow_paged_decode_i8) holds rows of D + 4 bytes, D values and then the row's float32
  * scale (value = scale * q): k_cache / v_cache [NB, KVH, BS, D + 4] int8, dequantized as
- * they are read. Where the CPU has avx512_bf16 but no AMX (and D is a multiple of 32), the
- * keys are not widened: the scores take q, cut into two bfloat16 halves, against the
+ * they are read. Where the CPU has avx512_bf16 and is not an Intel core with AMX or
+ * AVX-512 FP16 (and D is a multiple of 32), the keys are not widened: the scores take q, cut into two bfloat16 halves, against the
  * stored keys with vdpbf16ps, products summed in float32 (score16_bf16; KVFLOW_DOT_BF16).
  *
  * With AVX-512 (built with -march=native on such a CPU) and D a multiple of 16, the score
@@ -59,13 +59,16 @@
 #endif
 
 /* Scores from a bfloat16 cache by vdpbf16ps (score16_bf16) only where the CPU has
- * avx512_bf16 but not AMX. On an Intel Xeon with AMX (and so avx512_bf16) vdpbf16ps issues
- * at about half the rate of float32 FMAs (16 independent chains: 1.06 against 1.82 per
- * ns), and keys widened to float32 for FMAs took 0.85-0.87x the kernel's time (64
- * sequences of 216-295 tokens, 30 layers' caches, blocks scattered, 2 threads, both
- * builds alternating), with q used as it is. On AMD EPYC Zen 4 and Zen 5 (no AMX) the
- * vdpbf16ps scores were the faster (see score16_bf16). */
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+ * avx512_bf16 and is not one of Intel's cores since Sapphire Rapids, which the compiler
+ * tells by AMX or AVX-512 FP16 (AMD's Zen 4 and Zen 5 have neither; a VM may hide AMX, as
+ * one Intel Xeon of this machine kind did, but not FP16). There vdpbf16ps issues at about
+ * half the rate of float32 FMAs (16 independent chains: 1.06 against 1.82 per ns on an
+ * Intel Xeon with AMX), and keys widened to float32 for FMAs, q used as it is, took
+ * 0.85-0.87x the kernel's time with AMX and 0.85-0.90x without it (64 sequences of
+ * 216-295 tokens, 30 layers' caches, blocks scattered or in order, 2 threads, both builds
+ * alternating; 0.80x with the caches hot, 0.92x on one thread). On AMD EPYC Zen 4 and Zen
+ * 5 the vdpbf16ps scores were the faster (see score16_bf16). */
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__) && !defined(__AVX512FP16__)
 #define KVFLOW_DOT_BF16 1
 #endif
 
@@ -764,7 +767,8 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
 }
 
 /* 1 where a bfloat16 cache's scores take q as two bfloat16 halves against the stored keys
- * (this build's CPU has avx512_bf16 and no AMX: KVFLOW_DOT_BF16), else 0: scores then
+ * (this build's CPU has avx512_bf16 and is not an Intel core that has AMX or AVX-512 FP16:
+ * KVFLOW_DOT_BF16), else 0: scores then
  * differ from float32 q's by ~1e-5 relative, and the caller's tests allow for it. */
 int kvflow_bf16_scores(void) {
 #if defined(KVFLOW_DOT_BF16)
