@@ -1,14 +1,15 @@
 """What the machine offers the engine: native bfloat16 or not, and how many cores.
 
 `--dtype auto` (the default) resolves here, once at start-up: bfloat16 where the CPU
-multiplies it natively (AVX-512 BF16 or AMX; on such a CPU torch's bf16 matmul ran
-~3.5x its float32) or on a CUDA device with bf16 support, float32 elsewhere (a CPU
-that emulates bf16 ran the engine ~0.6x as fast as float32). Int8 linear layers
-(worker.model.quant) would be next where the CPU has integer dot products, but they
-miss the accuracy bar (`INT8_AGREEMENT`), so auto leaves them to `--dtype int8`.
-Where auto chose float32 on a CPU whose widest vectors are AVX2, or one with AVX-512
-VNNI, the linear layers compute as 16-bit integer products (`choose_int16_linear`). The decision functions take
-the facts as arguments, so tests can ask about any machine.
+multiplies it faster than float32 (AMX, or AVX-512 BF16 other than on an Intel core
+without AMX: `fast_bf16`; on an AMD EPYC torch's bf16 matmul ran ~3.5x its float32) or
+on a CUDA device with bf16 support, float32 elsewhere (a CPU that emulates bf16 ran the
+engine ~0.6x as fast as float32). Int8 linear layers (worker.model.quant) would be next
+where the CPU has integer dot products, but they miss the accuracy bar
+(`INT8_AGREEMENT`), so auto leaves them to `--dtype int8`. Where auto chose float32 on a
+CPU whose widest vectors are AVX2, or one with AVX-512 VNNI, the linear layers compute
+as 16-bit integer products (`choose_int16_linear`). The decision functions take the
+facts as arguments, so tests can ask about any machine.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 # CPU flags (as /proc/cpuinfo spells them) that mean bfloat16 matmuls run natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+INTEL = "GenuineIntel"  # /proc/cpuinfo's vendor_id
 # Integer dot-product instructions: uint8 x int8 products summed straight into 32 bits.
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
@@ -48,17 +50,37 @@ class DtypeChoice:
     reason: str
 
 
+def fast_bf16(cpu_flags: frozenset[str], cpu_vendor: str) -> list[str]:
+    """The flags by which this CPU multiplies bfloat16 faster than float32 (empty: it
+    does not): AMX anywhere; avx512_bf16 except on Intel's cores without AMX. There
+    vdpbf16ps issues at half the rate of a float32 FMA, so it does no more products a
+    cycle: on an Intel Xeon (family 6 model 207) whose VM showed avx512_bf16 but hid AMX,
+    torch's bfloat16 matmul ran at 0.72-0.82x float32's FLOP/s (64 and 256 rows of 576
+    against 1,536 columns, 2 threads) and a batch-64 decode step of the default model took
+    162.9 ms in bfloat16 against 70.9 ms with the int16 layers that auto takes without it
+    (`ops/bench/step_profile.py`, one session). On AMD EPYC Zen 4 and Zen 5 bfloat16 ran
+    ~3.5x float32."""
+    if "amx_bf16" in cpu_flags:
+        return [f for f in NATIVE_BF16_FLAGS if f in cpu_flags]
+    if "avx512_bf16" in cpu_flags and cpu_vendor != INTEL:
+        return ["avx512_bf16"]
+    return []
+
+
 def choose_dtype(
     requested: str,
     device: str,
     cpu_flags: frozenset[str],
     cuda_bf16: bool = False,
     int8_agreement: float = INT8_AGREEMENT,
+    cpu_vendor: str = "",
 ) -> DtypeChoice:
-    """Resolve `requested` ("auto" or a dtype name) for `device` given the hardware facts.
+    """Resolve `requested` ("auto" or a dtype name) for `device` given the hardware facts
+    (`cpu_vendor`: /proc/cpuinfo's vendor_id).
 
-    On CPU: bfloat16 where it is native; else int8 where the CPU has integer dot
-    products and int8's measured agreement clears AGREEMENT_BAR; else float32.
+    On CPU: bfloat16 where it is faster than float32 (`fast_bf16`); else int8 where the
+    CPU has integer dot products and int8's measured agreement clears AGREEMENT_BAR; else
+    float32.
     """
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
@@ -66,10 +88,16 @@ def choose_dtype(
         if cuda_bf16:
             return DtypeChoice("bfloat16", "auto: the CUDA device supports bfloat16")
         return DtypeChoice("float16", "auto: the CUDA device lacks bfloat16")
-    native = [f for f in NATIVE_BF16_FLAGS if f in cpu_flags]
+    native = fast_bf16(cpu_flags, cpu_vendor)
     if native:
         return DtypeChoice("bfloat16", f"auto: the CPU has native bfloat16 ({', '.join(native)})")
-    no_bf16 = "the CPU has no native bfloat16 (no avx512_bf16 / amx_bf16)"
+    if "avx512_bf16" in cpu_flags:
+        no_bf16 = (
+            "the CPU has avx512_bf16 but no AMX, an Intel core where bfloat16 does no more "
+            "products a cycle than float32"
+        )
+    else:
+        no_bf16 = "the CPU has no native bfloat16 (no avx512_bf16 / amx_bf16)"
     dot = [f for f in INT8_DOT_FLAGS if f in cpu_flags]
     if not dot:
         return DtypeChoice("float32", f"auto: {no_bf16} nor integer dot products for int8")
@@ -307,6 +335,24 @@ def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     except OSError:
         return frozenset()
     return parse_cpu_flags(text)
+
+
+def read_cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor_id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; empty where
+    it cannot be read)."""
+    try:
+        return parse_cpu_vendor(cpuinfo.read_text())
+    except OSError:
+        return ""
+
+
+def parse_cpu_vendor(cpuinfo_text: str) -> str:
+    """The `vendor_id` line of the first processor in /proc/cpuinfo text."""
+    for line in cpuinfo_text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
 
 
 def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str]:

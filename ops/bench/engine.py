@@ -480,7 +480,7 @@ def main() -> None:
 
 def cpu_model() -> str:
     """The CPU's model name, and whether it multiplies bfloat16 natively."""
-    from worker.hardware import NATIVE_BF16_FLAGS, read_cpu_flags
+    from worker.hardware import fast_bf16, read_cpu_flags, read_cpu_vendor
 
     name = "unknown CPU"
     try:
@@ -490,7 +490,7 @@ def cpu_model() -> str:
                 break
     except OSError:
         pass
-    native = [f for f in NATIVE_BF16_FLAGS if f in read_cpu_flags()]
+    native = fast_bf16(read_cpu_flags(), read_cpu_vendor())
     return f"{name} ({', '.join(native) if native else 'no native bf16'})"
 
 

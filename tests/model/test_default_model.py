@@ -15,9 +15,10 @@ from worker.engine.outputs import ScheduledRequest
 from worker.hardware import (
     AGREEMENT_BAR,
     INT8_AGREEMENT,
-    NATIVE_BF16_FLAGS,
+    fast_bf16,
     int8_reduce_range,
     read_cpu_flags,
+    read_cpu_vendor,
 )
 from worker.model.llama import Linear
 from worker.model.loader import load_model
@@ -129,10 +130,10 @@ def _scheduled(ids: list[list[int]], outs: list[list[int]], i: int, start: int, 
 
 
 def _bf16_bar() -> float:
-    """The agreement bf16 layers are held to: `auto`'s bar where the CPU multiplies
-    bfloat16 natively (where auto would choose it), 98.5% where bf16 is emulated and
-    only ever asked for."""
-    return 0.99 if set(NATIVE_BF16_FLAGS) & read_cpu_flags() else 0.985
+    """The agreement bf16 layers are held to: `auto`'s bar where auto would choose them
+    (`fast_bf16`), 98.5% where bf16 is emulated or no faster than float32 and only ever
+    asked for."""
+    return 0.99 if fast_bf16(read_cpu_flags(), read_cpu_vendor()) else 0.985
 
 
 def _decode_logits(

@@ -20,8 +20,11 @@ from worker.hardware import (
     choose_kv_dtype,
     choose_output_head,
     choose_prefill_attention,
+    fast_bf16,
     int8_reduce_range,
     parse_cpu_flags,
+    parse_cpu_vendor,
+    read_cpu_vendor,
     resolve_device,
 )
 
@@ -263,3 +266,36 @@ def test_prefill_attention_takes_the_prompt_kernel_with_avx2_without_avx512() ->
     assert explicit.dtype == "flash" and explicit.reason == "set explicitly"
     with pytest.raises(ValueError, match="C prompt kernel"):
         choose_prefill_attention("flash", "cpu", "float32", avx2, True, "int8", False)
+
+
+XEON_BF16_NO_AMX_FLAGS = frozenset(
+    ["fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16"]
+)
+
+
+def test_bfloat16_on_an_intel_core_only_with_amx() -> None:
+    """An Intel core's vdpbf16ps does no more products a cycle than float32 FMAs: without
+    AMX auto leaves bfloat16 aside there (and the int16 layers follow), on an AMD EPYC
+    avx512_bf16 is enough, and AMX is enough whoever made it."""
+    intel = choose_dtype("auto", "cpu", XEON_BF16_NO_AMX_FLAGS, cpu_vendor="GenuineIntel")
+    assert intel.dtype == "float32" and "Intel core" in intel.reason
+    assert "under the 99% bar" in intel.reason
+    int16 = choose_int16_linear("auto", True, intel.dtype, XEON_BF16_NO_AMX_FLAGS, 16)
+    assert int16 is not None and int16.dtype == "int16"
+    amd = choose_dtype("auto", "cpu", XEON_BF16_NO_AMX_FLAGS, cpu_vendor="AuthenticAMD")
+    assert amd.dtype == "bfloat16" and "avx512_bf16" in amd.reason
+    amx = SAPPHIRE_RAPIDS_FLAGS | {"avx512_bf16"}
+    with_amx = choose_dtype("auto", "cpu", amx, cpu_vendor="GenuineIntel")
+    assert with_amx.dtype == "bfloat16" and "amx_bf16" in with_amx.reason
+    assert fast_bf16(XEON_BF16_NO_AMX_FLAGS, "GenuineIntel") == []
+    assert fast_bf16(XEON_BF16_NO_AMX_FLAGS, "") == ["avx512_bf16"]
+    asked = choose_dtype("bfloat16", "cpu", XEON_BF16_NO_AMX_FLAGS, cpu_vendor="GenuineIntel")
+    assert asked.dtype == "bfloat16"
+
+
+def test_the_vendor_comes_from_the_first_processor(tmp_path) -> None:
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu\n\n"
+    text += "processor\t: 1\nvendor_id\t: AuthenticAMD\n"
+    assert parse_cpu_vendor(text) == "GenuineIntel"
+    assert parse_cpu_vendor("no vendor here") == ""
+    assert read_cpu_vendor(tmp_path / "missing") == ""

@@ -23,7 +23,13 @@ from worker.engine.outputs import RequestOutput, SchedulerOutput, StepStats
 from worker.engine.scheduler import Scheduler
 from worker.engine.steplog import StepLog
 from worker.engine.tuning import OperatingPoint, tune
-from worker.hardware import DtypeChoice, choose_dtype, choose_output_head, read_cpu_flags
+from worker.hardware import (
+    DtypeChoice,
+    choose_dtype,
+    choose_output_head,
+    read_cpu_flags,
+    read_cpu_vendor,
+)
 from worker.limits import RequestLimits
 from worker.model.loader import LoadedModel, dtype_name, load_model
 from worker.request import Request, RequestStatus, SamplingParams
@@ -66,6 +72,7 @@ class LLMEngine:
                 config.device,
                 read_cpu_flags(),
                 cuda_bf16=config.device != "cpu" and torch.cuda.is_bf16_supported(),
+                cpu_vendor=read_cpu_vendor(),
             )
             head = choose_output_head(config.dtype, choice.dtype, config.device)
             loaded = load_model(
