@@ -260,6 +260,8 @@ def choose_prefill_attention(
     with flash attention's online softmax, in float32 ("flash"; `prompt_kernel`: the
     runner has it, for a float32 or bfloat16 cache, the model's head shapes and no
     sliding window). Outputs come back to the float32 residual stream either way.
+    `linear_dtype` is the linear layers' ("int16" where float32 layers compute as integer
+    products).
 
     "auto" takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
     what was measured; an int8 cache would hand prompt rows its rounded K/V where SDPA
@@ -277,9 +279,15 @@ def choose_prefill_attention(
     registers, prompt steps of 4 x 256 and 8 x 256 (behind a cached 128) tokens took 0.95x
     and 0.93x, one of 1,024 1.00x, and the long-tail workload ran at 125.7 against 121.9
     output tok/s (medians of 4 alternating runs: within the noise); the decode
-    kernel's rows had run prompt steps in 0.99-1.01x SDPA's time. Elsewhere (AVX-512 without native bfloat16, unmeasured there: the kernel
-    computes in 256-bit vectors, SDPA in 512-bit ones) float32 SDPA. On CUDA attention runs
-    in the model's dtype."""
+    kernel's rows had run prompt steps in 0.99-1.01x SDPA's time. With AVX-512 it takes
+    "flash" behind int16 linear layers (`linear_dtype` "int16": float32 layers as integer
+    products) over a bfloat16 cache, though the kernel computes in 256-bit vectors and
+    SDPA in 512-bit ones: on an Intel Xeon (family 6 model 207, AVX-512, no AMX) whole
+    prompt steps took 0.87-1.02x float32 SDPA's time (8 x 256, 16 x 128, 1 x 256, 2 x 512,
+    1 x 1,024, 4 x 256 behind 128 cached; two runs of `step_profile.py --compare-prefill`)
+    and the long-tail workload ran at 304.4 against 277.9 output tok/s (medians of 3
+    alternating runs, each kernel run ahead of its pair). Elsewhere (float32 layers on
+    AVX-512, unmeasured) float32 SDPA. On CUDA attention runs in the model's dtype."""
     if requested not in PREFILL_ATTENTION_DTYPES:
         raise ValueError(
             f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, got {requested!r}"
@@ -307,6 +315,10 @@ def choose_prefill_attention(
         return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")
     if prompt_kernel and {"avx2", "fma"} <= cpu_flags and "avx512f" not in cpu_flags:
         return DtypeChoice("flash", "auto: AVX2 without AVX-512, the C prompt kernel in place")
+    if prompt_kernel and linear_dtype == "int16" and kv_dtype == "bfloat16":
+        return DtypeChoice(
+            "flash", "auto: int16 linear layers over a bfloat16 cache, the C prompt kernel in place"
+        )
     return DtypeChoice("float32", "auto: the activations' dtype")
 
 

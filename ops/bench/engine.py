@@ -479,7 +479,7 @@ def main() -> None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, and whether it multiplies bfloat16 natively."""
+    """The CPU's model name, and whether it multiplies bfloat16 faster than float32."""
     from worker.hardware import fast_bf16, read_cpu_flags, read_cpu_vendor
 
     name = "unknown CPU"
@@ -490,8 +490,13 @@ def cpu_model() -> str:
                 break
     except OSError:
         pass
-    native = fast_bf16(read_cpu_flags(), read_cpu_vendor())
-    return f"{name} ({', '.join(native) if native else 'no native bf16'})"
+    flags = read_cpu_flags()
+    native = fast_bf16(flags, read_cpu_vendor())
+    if native:
+        return f"{name} ({', '.join(native)})"
+    if "avx512_bf16" in flags:
+        return f"{name} (avx512_bf16 without AMX on an Intel core: bf16 no faster than float32)"
+    return f"{name} (no native bf16)"
 
 
 if __name__ == "__main__":

@@ -249,7 +249,8 @@ def test_prefill_attention_takes_the_prompt_kernel_with_avx2_without_avx512() ->
     avx2 = frozenset({"avx2", "fma"})
     chosen = choose_prefill_attention("auto", "cpu", "float32", avx2, True, "bfloat16", True)
     assert chosen.dtype == "flash" and "AVX2 without AVX-512" in chosen.reason
-    # without the kernel for this engine, or on a CPU with AVX-512 (unmeasured): float32 SDPA
+    # without the kernel for this engine, or float32 layers on a CPU with AVX-512
+    # (unmeasured): float32 SDPA
     assert choose_prefill_attention("auto", "cpu", "float32", avx2, True).dtype == "float32"
     avx512 = avx2 | {"avx512f", "avx512_vnni"}
     assert (
@@ -261,6 +262,16 @@ def test_prefill_attention_takes_the_prompt_kernel_with_avx2_without_avx512() ->
     assert (
         choose_prefill_attention("auto", "cpu", "bfloat16", bf16, True, "bfloat16", True).dtype
         == "native"
+    )
+    # behind int16 layers over a bfloat16 cache the kernel on any CPU that has it
+    int16 = choose_prefill_attention("auto", "cpu", "int16", avx512, True, "bfloat16", True)
+    assert int16.dtype == "flash" and "int16 linear layers" in int16.reason
+    assert choose_prefill_attention("auto", "cpu", "int16", avx512, True, "bfloat16").dtype == (
+        "float32"
+    )
+    assert (
+        choose_prefill_attention("auto", "cpu", "int16", avx512, True, "float32", True).dtype
+        == "float32"
     )
     explicit = choose_prefill_attention("flash", "cpu", "float32", avx512, True, "float32", True)
     assert explicit.dtype == "flash" and explicit.reason == "set explicitly"

@@ -159,11 +159,12 @@ class ModelRunner:
         row_kernel = attach_rows_weights(self.model, step_ops)
         if step_ops is not None and int16 is None:
             linear += f"; {row_kernel}"
+        linear_kind = "int16" if int16 is not None else dtype_name(loaded)
         kv = choose_kv_dtype(
             config.kv_cache_dtype,
             self.device.type,
             DTYPE_NAMES[act_dtype],
-            "int16" if int16 is not None else dtype_name(loaded),
+            linear_kind,
             self.native is not None,
         )
         # the KV cache's; int8 rows hold D values and their float32 scale (quantize_rows)
@@ -171,7 +172,7 @@ class ModelRunner:
         prefill = choose_prefill_attention(
             config.prefill_attention,
             self.device.type,
-            dtype_name(loaded),
+            linear_kind,
             read_cpu_flags(),
             in_place=self.native is not None,
             kv_dtype=kv.dtype,
