@@ -46,8 +46,9 @@ def _reference(q, k_cache, v_cache, table, context: int, scale: float) -> torch.
 
 
 # Rows around the tile of 8 and chunks of 64 keys, contexts that end mid-block and
-# mid-chunk; head dims that take the 32-value tiles, their 8-value tail, or both; groups
-# of 1 to 8 query heads per KV head.
+# mid-chunk; head dims that take the 64-value tiles (AVX-512 builds), the 32-value ones,
+# their 8-value tail, or several of them (80: 64 + 16, 96: 64 + 32); groups of 1 to 8
+# query heads per KV head.
 @pytest.mark.parametrize(
     ("T", "context", "heads", "kv_heads", "dim", "bs"),
     [
@@ -61,6 +62,8 @@ def _reference(q, k_cache, v_cache, table, context: int, scale: float) -> torch.
         (40, 3, 4, 4, 40, 8),
         (23, 70, 8, 1, 128, 64),
         (12, 0, 32, 8, 64, 32),
+        (11, 20, 10, 2, 80, 16),
+        (5, 40, 6, 3, 96, 16),
     ],
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
