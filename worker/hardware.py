@@ -281,13 +281,14 @@ def choose_prefill_attention(
     output tok/s (medians of 4 alternating runs: within the noise); the decode
     kernel's rows had run prompt steps in 0.99-1.01x SDPA's time. With AVX-512 it takes
     "flash" behind int16 linear layers (`linear_dtype` "int16": float32 layers as integer
-    products) over a bfloat16 cache, though the kernel computes in 256-bit vectors and
-    SDPA in 512-bit ones: on an Intel Xeon (family 6 model 207, AVX-512, no AMX) whole
-    prompt steps took 0.87-1.02x float32 SDPA's time (8 x 256, 16 x 128, 1 x 256, 2 x 512,
-    1 x 1,024, 4 x 256 behind 128 cached; two runs of `step_profile.py --compare-prefill`)
-    and the long-tail workload ran at 304.4 against 277.9 output tok/s (medians of 3
-    alternating runs, each kernel run ahead of its pair). Elsewhere (float32 layers on
-    AVX-512, unmeasured) float32 SDPA. On CUDA attention runs in the model's dtype."""
+    products) over a bfloat16 cache: on an Intel Xeon (family 6 model 207, AVX-512, no
+    AMX), with the kernel's tiles still 256-bit there, whole prompt steps took 0.87-1.02x
+    float32 SDPA's time (8 x 256, 16 x 128, 1 x 256, 2 x 512, 1 x 1,024, 4 x 256 behind 128
+    cached; two runs of `step_profile.py --compare-prefill`) and the long-tail workload ran
+    at 304.4 against 277.9 output tok/s (medians of 3 alternating runs, each kernel run
+    ahead of its pair); its AVX-512 tiles since took 0.71-0.84x the kernel's time.
+    Elsewhere (float32 layers on AVX-512, unmeasured) float32 SDPA. On CUDA attention
+    runs in the model's dtype."""
     if requested not in PREFILL_ATTENTION_DTYPES:
         raise ValueError(
             f"prefill_attention must be one of {PREFILL_ATTENTION_DTYPES}, got {requested!r}"
