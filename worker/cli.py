@@ -112,8 +112,9 @@ def engine_options(fn: F) -> F:
             help="CPU prefill attention: SDPA on bfloat16 copies of q, k and v, or on "
             "float32 ones, the C decode kernel reading the cache in place (native), or the "
             "C prompt kernel reading it in place (flash); auto takes bfloat16 where the CPU "
-            "has AMX behind bfloat16 linear layers, native where it has avx512_bf16 "
-            "without AMX, flash where it has AVX2 without AVX-512.",
+            "has AMX behind bfloat16 linear layers, native behind bfloat16 ones where it "
+            "has avx512_bf16 without AMX, flash where it has AVX2 without AVX-512 or "
+            "behind int16 linear layers over a bfloat16 cache.",
         ),
         click.option(
             "--kv-cache-dtype",

@@ -88,7 +88,8 @@ class EngineConfig:
     # a time, "flash" the C prompt kernel in place, tiles of queries at a time; "auto"
     # takes bfloat16 where the CPU has AMX behind bfloat16 linear layers, native where it
     # has avx512_bf16 without AMX, over a bfloat16 cache, flash where it has AVX2 without
-    # AVX-512 (worker.hardware.choose_prefill_attention).
+    # AVX-512 or behind int16 linear layers over a bfloat16 cache
+    # (worker.hardware.choose_prefill_attention).
     prefill_attention: str = "auto"
     # Measure decode tokens/s against batch size at start-up and run at most the smallest
     # batch within 5% of the best rate (worker.engine.tuning); max_num_seqs stays the cap.
