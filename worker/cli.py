@@ -26,7 +26,9 @@ def engine_options(fn: F) -> F:
             "--dtype",
             type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8"]),
             default=None,
-            help="auto (default): bfloat16 where the hardware has it natively, else float32; "
+            help="auto (default): bfloat16 where the hardware multiplies it faster than "
+            "float32 (AMX; avx512_bf16 except on an Intel core without AMX; CUDA), else "
+            "float32 (as int16 products on CPUs with AVX2 only or AVX-512 VNNI); "
             "int8 (CPU): int8 linear layers, activations quantized per call.",
         ),
         click.option("--device", default=None, help="cpu, cuda or cuda:N."),
@@ -120,8 +122,8 @@ def engine_options(fn: F) -> F:
             "--kv-cache-dtype",
             type=click.Choice(["auto", "float32", "bfloat16", "int8"]),
             default=None,
-            help="KV cache dtype (CPU): auto is bfloat16 where the CPU has native bfloat16 "
-            "and the C decode kernel runs, else float32; bfloat16 holds twice float32's "
+            help="KV cache dtype (CPU): auto is bfloat16 behind bfloat16 or int16 linear "
+            "layers where the C decode kernel runs, else float32; bfloat16 holds twice float32's "
             "blocks in the same memory, int8 (one scale per token and head) 3.8x.",
         ),
         click.option(
