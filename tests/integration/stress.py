@@ -565,26 +565,34 @@ async def rabbitmq_restart(
     h: Harness, model: Path, n: int = 60, max_tokens: int = 48, extra: Sequence[str] = ()
 ) -> Tally:
     """Two workers serve `n` requests; RabbitMQ is restarted while some are done and some
-    are running, then `n // 3` more are published. Returns the tally, with each worker's metrics and log evidence in notes."""
+    are running, then `n // 3` more are published. Every 15th request is held behind the
+    harness's gate until the broker is back, so that requests are in flight when it stops
+    however fast the workers run. Returns the tally, with each worker's metrics and log
+    evidence in notes."""
     ports = [free_port(), free_port()]
     ws = [
         h.start(f"rmq-{i}", model=model, max_num_seqs=4, extra=[*metrics_args(p), *extra])
         for i, p in enumerate(ports)
     ]
     await h.ready(*ws)
+    h.hold()
     async with Traffic(h, "RabbitMQ restarted mid-run") as tr:
         ids = [f"rmq-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
+        held = ids[::15]
         for i, rid in enumerate(ids):
-            await tr.request(rid, [1, 2, 3 + i % 50], max_tokens)
+            await tr.request(rid, [HOLD if rid in held else 1, 2, 3 + i % 50], max_tokens)
 
         async def midway() -> bool:
             c = await _statuses(h, ids)
-            return c["completed"] >= 4 and c["running"] >= 2
+            return c["completed"] >= 4 and (await _statuses(h, held))["running"] >= 2
 
-        await wait_for("some requests done and some running", midway, 120, every=0.02)
+        await wait_for("some requests done and held ones running", midway, 120, every=0.02)
         await tr.disconnect()
         before = [scrape(p) for p in ports]
-        await restart_rabbitmq(h.amqp_url)
+        try:
+            await restart_rabbitmq(h.amqp_url)
+        finally:
+            h.release()
         for i in range(n // 3):  # and requests published after the restart are served too
             await tr.request(f"rmq-after-{i}-{uuid.uuid4().hex[:6]}", [1, 2, 3 + i], max_tokens)
         tally = await tr.settle(timeout=120)
