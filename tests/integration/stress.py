@@ -611,24 +611,29 @@ async def rabbitmq_restart(
 
 async def postgres_outage(h: Harness, model: Path, n: int = 60, max_tokens: int = 32) -> Tally:
     """Two workers serve `n` requests; PostgreSQL is stopped once some are done, and started
-    again once both workers' metrics count failed ledger writes."""
+    again once both workers' metrics count failed ledger writes. Every 15th request is held
+    behind the harness's gate until the server is down, so that some finish during the
+    outage however fast the workers run."""
     ports = [free_port(), free_port()]
     ws = [
         h.start(f"pg-{i}", model=model, max_num_seqs=4, extra=metrics_args(p))
         for i, p in enumerate(ports)
     ]
     await h.ready(*ws)
+    h.hold()
     async with Traffic(h, "PostgreSQL down mid-run") as tr:
         ids = [f"pg-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
+        held = ids[::15]
         for i, rid in enumerate(ids):
-            await tr.request(rid, [1, 2, 3 + i % 50], max_tokens)
+            await tr.request(rid, [HOLD if rid in held else 1, 2, 3 + i % 50], max_tokens)
 
         async def midway() -> bool:
             c = await _statuses(h, ids)
-            return c["completed"] >= 4 and c["running"] >= 2
+            return c["completed"] >= 4 and (await _statuses(h, held))["running"] >= 2
 
-        await wait_for("some requests done and some running", midway, 120, every=0.02)
+        await wait_for("some requests done and held ones running", midway, 120, every=0.02)
         async with postgres_down():
+            h.release()  # the held requests finish while the ledger is away
 
             async def both_noticed() -> bool:
                 m = [await asyncio.to_thread(scrape, p) for p in ports]
