@@ -22,6 +22,7 @@ from worker.hardware import (
     choose_kv_dtype,
     choose_prefill_attention,
     detect_cores,
+    keep_freed_memory,
     read_cpu_flags,
     resolve_device,
 )
@@ -79,6 +80,7 @@ class RuntimeInfo:
     attention: str = "torch"  # the decode attention path and why (for the start-up log)
     linear: str = "torch"  # the linear layers' matmul path and why (likewise)
     kv_cache_dtype: str = "float32"  # the KV cache's dtype and why (likewise)
+    allocator: str = ""  # what was set of the C library's allocator (likewise)
 
 
 @dataclass
@@ -215,8 +217,10 @@ class ModelRunner:
         # steps of at most this many tokens run on one thread (none for a large model)
         small_model = step_weight_bytes(self.model) <= SMALL_MODEL_BYTES
         self._small_step_tokens = SMALL_STEP_TOKENS if small_model else 0
+        allocator = ""
         if cpu:
             torch.set_num_threads(self._threads)
+            allocator = keep_freed_memory()
         self.sampler = Sampler(self.device, seed=0)
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
@@ -248,6 +252,7 @@ class ModelRunner:
                 "flash": f"; prefill attention by the C prompt kernel, in place ({prefill.reason})",
             }.get(prefill.dtype, f"; prefill attention in {prefill.dtype} ({prefill.reason})"),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
+            allocator=allocator,
             linear=linear,
         )
 
