@@ -208,6 +208,26 @@ def test_linear_i16_adds_the_bias(ops: NativeKernels) -> None:
     torch.testing.assert_close(ops.linear_i16(x, iw, b), ops.linear_i16(x, iw) + b)
 
 
+@pytest.mark.parametrize(("rows", "inter"), [(1, 64), (7, 200), (130, 1536), (2048, 1536)])
+def test_the_down_projection_from_gate_and_up_equals_silu_then_the_products(
+    ops: NativeKernels, rows: int, inter: int
+) -> None:
+    """linear_i16_silu computes silu(gate) * up as it rounds its inputs: the same values as
+    silu_mul then linear_i16, bit for bit (full blocks, a row's short last block, groups
+    of four rows and a partial one)."""
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4  # gates well into SiLU's tails
+    gate_up[0, 0], gate_up[-1, 1] = -100.0, 100.0  # past exp's float32 range, both ways
+    w = int16_layout(torch.randn(48, inter, generator=g) * 0.05, ops.int16_lanes)
+    b = torch.randn(48, generator=g)
+    want = ops.linear_i16(ops.silu_mul(gate_up), w, b)
+    got = ops.linear_i16_silu(gate_up, w, b)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=f"rows of {inter} inputs"):
+        ops.linear_i16_silu(gate_up[:, : 2 * inter - 2].contiguous(), w)
+
+
 def test_linear_i16_refuses_what_it_cannot_read(ops: NativeKernels) -> None:
     w = torch.randn(16, 64)
     iw = int16_layout(w, ops.int16_lanes)

@@ -407,7 +407,31 @@ class NativeKernels:
         (kernels/int16_matmul.c): x rounded per row and block of INT16_BLOCK inputs, W as
         `int16_layout` rounded it (in this build's column blocks, `int16_lanes`)."""
         _check_rows(x, float32_only=True)
-        M, K = x.shape
+        return self._linear_i16(self.lib.kvflow_linear_i16, x, x.shape[1], weight, bias)
+
+    def linear_i16_silu(
+        self,
+        gate_up: torch.Tensor,  # [M, 2 K] float32, contiguous: gate, then up
+        weight: Int16Weight,
+        bias: torch.Tensor | None = None,  # [N] float32
+    ) -> torch.Tensor:
+        """`linear_i16` of silu(gate) * up (as `silu_mul` computes it), the product
+        rounded a block at a time as it is computed: an MLP's down projection without its
+        [M, K] input ever written out."""
+        _check_rows(gate_up, float32_only=True)
+        _expect(gate_up.shape[1] % 2 == 0, "[M, 2 K]", gate_up)
+        K = gate_up.shape[1] // 2
+        return self._linear_i16(self.lib.kvflow_linear_i16_silu, gate_up, K, weight, bias)
+
+    def _linear_i16(
+        self,
+        fn: Callable[..., int],
+        x: torch.Tensor,
+        K: int,
+        weight: Int16Weight,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        M = x.shape[0]
         N, L = weight.out_features, self.int16_lanes
         if L == 0 or weight.in_features != K or weight.lanes != L:
             _expect(L > 0, "a library built with the int16 kernel (AVX2 and FMA)", L)
@@ -419,7 +443,7 @@ class NativeKernels:
         xq_bytes, scratch_bytes = int16_scratch_bytes(M, K)
         xq = self.scratch.take(scratch_bytes)
         out = torch.empty((M, N), dtype=torch.float32)
-        status = self.lib.kvflow_linear_i16(
+        status = fn(
             x.data_ptr(),
             xq,
             xq + xq_bytes,
@@ -630,8 +654,9 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     lib.kvflow_matmul_rows_built.argtypes = []
     lib.kvflow_matmul_rows_amx.restype = ctypes.c_int
     lib.kvflow_matmul_rows_amx.argtypes = []
-    lib.kvflow_linear_i16.restype = ctypes.c_int
-    lib.kvflow_linear_i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
+    for i16 in (lib.kvflow_linear_i16, lib.kvflow_linear_i16_silu):
+        i16.restype = ctypes.c_int
+        i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.kvflow_linear_i16_lanes.restype = ctypes.c_int
     lib.kvflow_linear_i16_lanes.argtypes = []
     built_for = "this CPU" if march == "native" else march

@@ -110,35 +110,58 @@ static inline void quantize_block(const float *xr, __m256i q[4], float *scale_ou
     *scale_out = scale;
 }
 
+/* silu(gate) * up for n inputs of a row, as layer_ops.c's kvflow_silu_mul computes them
+ * (the same expression: exp(-a) bounded below float32's overflow). */
+static inline __attribute__((always_inline)) void silu_block(const float *restrict g,
+                                                            const float *restrict u,
+                                                            float *restrict dst, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) dst[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
+}
+
 /* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). The
  * rounded rows are written four at a time, pair by pair, as the tiles read them:
  * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M zeros, or
  * unwritten in a block short of KB: never read, the edge tiles read their own rows
  * only), so one tile's four broadcasts of a step are one 16-byte run. A group's full
- * blocks are rounded in vectors and its four rows' pairs interleaved by a transpose. */
-void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
+ * blocks are rounded in vectors and its four rows' pairs interleaved by a transpose.
+ * Row m of x starts at x + m * ldx. With `silu` (a literal where this is inlined) the
+ * inputs are silu(gate) * up of rows [gate (K), up (K)], computed a block at a time on
+ * the stack: the MLP's [M, K] product is never written out and read back (at 2,048 rows
+ * and K = 1,536, 25 MB of a prompt step's memory traffic a layer). */
+static inline __attribute__((always_inline)) void quantize_rows(const float *x, long ldx,
+                                                               int16_t *xq, float *xs, int M,
+                                                               int K, const int silu) {
     const int nkb = (K + KB - 1) / KB, P = K / 2, groups = (M + 3) / 4;
     uint32_t *xp = (uint32_t *)xq;
 #pragma omp parallel for schedule(static) if ((long)M * K > 32768)
     for (int g = 0; g < groups; g++) {
         const int rows = M - 4 * g < 4 ? M - 4 * g : 4;
         uint32_t *dst = xp + (size_t)g * P * 4;
+        float buf[KB];
         for (int kb = 0; kb < nkb; kb++) {
             const int n = K - kb * KB < KB ? K - kb * KB : KB;
+            const float *src[4];
+            for (int r = 0; r < rows; r++) {
+                src[r] = x + (size_t)(4 * g + r) * ldx + kb * KB;
+            }
             if (n < KB) {
-                for (int r = 0; r < rows; r++)
-                    quantize_tail(x + (size_t)(4 * g + r) * K + kb * KB,
-                                  dst + (size_t)kb * (KB / 2) * 4 + r,
+                for (int r = 0; r < rows; r++) {
+                    if (silu) silu_block(src[r], src[r] + K, buf, n);
+                    quantize_tail(silu ? buf : src[r], dst + (size_t)kb * (KB / 2) * 4 + r,
                                   xs + (size_t)(4 * g + r) * nkb + kb, n);
+                }
                 continue;
             }
             __m256i q[4][4]; /* [row][j]: pairs 8 j .. 8 j + 7 of the block */
             for (int r = 0; r < 4; r++) {
-                if (r < rows)
-                    quantize_block(x + (size_t)(4 * g + r) * K + kb * KB, q[r],
+                if (r < rows) {
+                    if (silu) silu_block(src[r], src[r] + K, buf, KB);
+                    quantize_block(silu ? buf : src[r], q[r],
                                    xs + (size_t)(4 * g + r) * nkb + kb);
-                else
+                } else {
                     q[r][0] = q[r][1] = q[r][2] = q[r][3] = _mm256_setzero_si256();
+                }
             }
             /* 4 rows x 8 pairs -> pair-major runs of 4 rows: a 4 x 4 transpose of uint32
              * in each 128-bit half (pairs i and i + 4), then the halves regrouped */
@@ -161,6 +184,11 @@ void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int
         }
     }
 }
+
+void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
+    quantize_rows(x, K, xq, xs, M, K, 0);
+}
+
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !I16_VNNI
@@ -317,10 +345,8 @@ void kvflow_i16_panel(const int16_t *xq, const float *xs, const int16_t *wq, con
  * (above); xq [ceil(M / 4) * 4, K] int16 and xs [M, ceil(K / KB)] float32 are scratch for
  * x's rounding. Threads split the column panels; the rows go through in chunks of
  * I16_MC, each chunk's tiles from the build's kvflow_i16_panel. */
-int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
-                      const float *ws, const float *bias, float *out, int M, int N, int K) {
-    if (M < 0 || N % I16_LANES != 0 || K < 2 || K % 2 != 0) return 1;
-    kvflow_i16_quantize_rows(x, xq, xs, M, K);
+static void linear_tiles(const int16_t *xq, const float *xs, const int16_t *wq, const float *ws,
+                         const float *bias, float *out, int M, int N, int K) {
     const int nkb = (K + KB - 1) / KB, blocks = N / I16_LANES;
     const int panels = (blocks + I16_NR - 1) / I16_NR;
 #pragma omp parallel
@@ -335,6 +361,23 @@ int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
             }
         }
     }
+}
+
+int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
+                      const float *ws, const float *bias, float *out, int M, int N, int K) {
+    if (M < 0 || N % I16_LANES != 0 || K < 2 || K % 2 != 0) return 1;
+    quantize_rows(x, K, xq, xs, M, K, 0);
+    linear_tiles(xq, xs, wq, ws, bias, out, M, N, K);
+    return 0;
+}
+
+/* The same with x = silu(gate) * up of gate_up [M, 2 K] (gate, then up): the MLP's down
+ * projection straight from the gate and up projection's output (quantize_rows says why). */
+int kvflow_linear_i16_silu(const float *gate_up, int16_t *xq, float *xs, const int16_t *wq,
+                           const float *ws, const float *bias, float *out, int M, int N, int K) {
+    if (M < 0 || N % I16_LANES != 0 || K < 2 || K % 2 != 0) return 1;
+    quantize_rows(gate_up, 2L * K, xq, xs, M, K, 1);
+    linear_tiles(xq, xs, wq, ws, bias, out, M, N, K);
     return 0;
 }
 
@@ -346,6 +389,11 @@ int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
     (void)x, (void)xq, (void)xs, (void)wq, (void)ws, (void)bias, (void)out, (void)M, (void)N,
         (void)K;
     return 2; /* not built for this CPU (it needs AVX2 and FMA) */
+}
+
+int kvflow_linear_i16_silu(const float *gate_up, int16_t *xq, float *xs, const int16_t *wq,
+                           const float *ws, const float *bias, float *out, int M, int N, int K) {
+    return kvflow_linear_i16(gate_up, xq, xs, wq, ws, bias, out, M, N, K);
 }
 
 int kvflow_linear_i16_lanes(void) { return 0; }
