@@ -52,7 +52,7 @@ import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
-from worker.model.native import prefill_kernel_fits
+from worker.model.native import NativeKernels, prefill_kernel_fits
 from worker.model.packing import attach_rows_weights, pack_linear_layers
 from worker.request import SamplingParams
 
@@ -130,6 +130,8 @@ def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[
     wrap(llama_mod.Linear, "narrow_input", "kv.linear")
     wrap(llama_mod.Linear, "matmul", "kv.linear")
     wrap(quant_mod.Int8Linear, "forward", "kv.linear")
+    # the MLP's int16 down projection, its SiLU computed as its inputs are rounded
+    wrap(NativeKernels, "linear_i16_silu", "kv.linear")
     stack = engine.runner.layer_stack
     if stack is not None:  # steps it takes call the kernels straight from its own methods
         wrap(stack, "_linear", "kv.linear")
