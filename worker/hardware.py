@@ -461,8 +461,8 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> str:
     from the heap and go back to it; by default glibc returns the top of a heap to Linux
     once more than twice its moving mmap threshold is free, and the next layer faults
     the pages in again, zeroed. On an Intel Xeon, prompt steps of 8 x 256 tokens took
-    250,000-280,000 minor faults each in some processes (~1 GB) and ran 1.13x the time of
-    steps with 0-10 faults. Fixed thresholds (allocations up to 32 MB from the heap,
+    17,000-280,000 minor faults each (up to ~1.1 GB), how many depending on the process,
+    and ran 1.04-1.13x the time of steps with 0-10 faults. Fixed thresholds (allocations up to 32 MB from the heap,
     returned only past 1 GB free at its top) remove them; memory held stays at a step's
     peak. Not where the environment already sets either one, or the C library is not
     glibc. Returns what was done, for the start-up log ("" where nothing was)."""

@@ -19,10 +19,6 @@
 #define I16_NR 3  /* column blocks a tile, and a panel that one thread takes */
 #define I16_MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
 
-/* x [M, K] float32 -> xq [ceil(M / 4)][K / 2][4] pairs of int16 and xs [M, ceil(K / KB)]
- * float32 (int16_matmul.c; built where AVX2 and FMA are). */
-void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K);
-
 /* One build's tiles over a chunk's rows mc..mend-1 (mc a multiple of I16_MC) x the panel
  * of column blocks b..b+nr-1 (nr <= I16_NR), into out times the column scales (+ bias);
  * kvflow_linear_i16 (int16_matmul.c) splits the panels between threads. */

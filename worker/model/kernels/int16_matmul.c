@@ -185,10 +185,6 @@ static inline __attribute__((always_inline)) void quantize_rows(const float *x, 
     }
 }
 
-void kvflow_i16_quantize_rows(const float *x, int16_t *xq, float *xs, int M, int K) {
-    quantize_rows(x, K, xq, xs, M, K, 0);
-}
-
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !I16_VNNI
