@@ -8,7 +8,7 @@ import torch
 import worker.model.native as native_mod
 from tests.model.builds import kernel_builds, load_build
 from worker.config import EngineConfig
-from worker.hardware import read_cpu_flags
+from worker.hardware import INTEL, read_cpu_flags, read_cpu_vendor
 from worker.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -19,7 +19,7 @@ from worker.model.attention import (
     quantize_rows,
     widen,
 )
-from worker.model.native import MARCH_FLAGS, NativeKernels, load_native
+from worker.model.native import MARCH_FLAGS, NativeKernels, load_native, vendor_defines
 
 
 def _case(n: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
@@ -148,12 +148,14 @@ def test_kernel_reads_a_bfloat16_cache(kernels: NativeKernels) -> None:
     bs = 16
     q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=11)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
-    # on where the CPU has the instruction (and the compiler knows it) but neither AMX nor
-    # AVX-512 FP16 (Intel's cores, where float32 FMAs on widened keys are the faster);
-    # never elsewhere
+    # on where the CPU has the instruction (and the compiler knows it) and is not an Intel
+    # core (by its vendor, or AMX or AVX-512 FP16 in its flags), where float32 FMAs on
+    # widened keys are the faster; never elsewhere
     flags = read_cpu_flags()
     assert not kernels.bf16_scores or (
-        "avx512_bf16" in flags and not {"amx_bf16", "avx512_fp16"} & flags
+        "avx512_bf16" in flags
+        and not {"amx_bf16", "avx512_fp16"} & flags
+        and read_cpu_vendor() != INTEL
     )
     want = _torch_path(q, k16.float(), v16.float(), tables, lens, bs, None)
     got = torch.full_like(q, float("nan"))
@@ -329,6 +331,16 @@ def test_older_instruction_sets_build_their_own_paths() -> None:
         assert kernels.int16_lanes == (0 if march == "x86-64-v2" else 8)
     loaded = load_native(march="x86-64-v3")
     assert "built for x86-64-v3" in loaded.reason
+
+
+def test_a_native_build_for_an_intel_core_says_so() -> None:
+    """The decode kernel's vdpbf16ps scores are for AMD's cores: a native build on an Intel
+    core (a Cooper Lake shows avx512_bf16 without AMX or FP16) defines KVFLOW_INTEL_CORE;
+    builds for an older instruction set are no CPU's own and define nothing."""
+    assert vendor_defines("native", INTEL) == ("-DKVFLOW_INTEL_CORE",)
+    assert vendor_defines("native", "AuthenticAMD") == ()
+    assert vendor_defines("native", "") == ()  # no vendor_id line: as before
+    assert vendor_defines("x86-64-v4", INTEL) == ()
 
 
 def test_a_march_this_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from worker.hardware import read_cpu_flags
+from worker.hardware import INTEL, read_cpu_flags, read_cpu_vendor
 
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
@@ -150,8 +150,8 @@ class NativeKernels:
     @property
     def bf16_scores(self) -> bool:
         """Whether a bfloat16 cache's scores take q cut into two bfloat16 halves (vdpbf16ps
-        on a CPU with avx512_bf16 that is not an Intel core with AMX or AVX-512 FP16: within
-        ~1e-5 of q as it is) rather than q as it is."""
+        on a CPU with avx512_bf16 that is not an Intel core (`vendor_defines`, or AMX or
+        AVX-512 FP16 in its flags): within ~1e-5 of q as it is) rather than q as it is."""
         return bool(self.lib.kvflow_bf16_scores())
 
     def paged_decode_entry(self, cache_dtype: torch.dtype) -> Callable[..., int]:
@@ -583,6 +583,15 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def vendor_defines(march: str, vendor: str) -> tuple[str, ...]:
+    """What the compiler's -march does not say of the CPU a native build is for: whether
+    it is an Intel core, whose vdpbf16ps issues at half a float32 FMA's rate (the decode
+    kernel then scores a bfloat16 cache with FMAs, as `worker.hardware.fast_bf16` leaves
+    bfloat16 layers aside there). The build for an older instruction set is no CPU's own:
+    none."""
+    return ("-DKVFLOW_INTEL_CORE",) if march == "native" and vendor == INTEL else ()
+
+
 def load_native(compiler: str | None = None, march: str = "native") -> NativeLoad:
     """Build (once per source, compiler, instruction set and CPU) and load the CPU kernels.
 
@@ -606,7 +615,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return NativeLoad(None, f"no C compiler ({cc!r} not found)")
-    flags = (*CFLAGS, f"-march={march}")
+    flags = (*CFLAGS, f"-march={march}", *vendor_defines(march, read_cpu_vendor()))
     key = hashlib.sha256(
         b"\0".join(
             [

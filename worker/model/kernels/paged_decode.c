@@ -59,16 +59,19 @@
 #endif
 
 /* Scores from a bfloat16 cache by vdpbf16ps (score16_bf16) only where the CPU has
- * avx512_bf16 and is not one of Intel's cores since Sapphire Rapids, which the compiler
- * tells by AMX or AVX-512 FP16 (AMD's Zen 4 and Zen 5 have neither; a VM may hide AMX, as
- * one Intel Xeon of this machine kind did, but not FP16). There vdpbf16ps issues at about
- * half the rate of float32 FMAs (16 independent chains: 1.06 against 1.82 per ns on an
- * Intel Xeon with AMX), and keys widened to float32 for FMAs, q used as it is, took
+ * avx512_bf16 and is not an Intel core: KVFLOW_INTEL_CORE, which the build defines from
+ * the CPU's vendor (native.vendor_defines), or AMX or AVX-512 FP16 in the compiler's
+ * flags (Intel's cores since Sapphire Rapids; AMD's Zen 4 and Zen 5 have neither; a VM
+ * may hide AMX, as one Intel Xeon of this machine kind did, but not FP16). There
+ * vdpbf16ps issues at about half the rate of float32 FMAs (16 independent chains: 1.06
+ * against 1.82 per ns on an Intel Xeon with AMX), and keys widened to float32 for FMAs, q
+ * used as it is, took
  * 0.85-0.87x the kernel's time with AMX and 0.85-0.90x without it (64 sequences of
  * 216-295 tokens, 30 layers' caches, blocks scattered or in order, 2 threads, both builds
  * alternating; 0.80x with the caches hot, 0.92x on one thread). On AMD EPYC Zen 4 and Zen
  * 5 the vdpbf16ps scores were the faster (see score16_bf16). */
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__) && !defined(__AVX512FP16__)
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__) && !defined(__AVX512FP16__) &&     \
+    !defined(KVFLOW_INTEL_CORE)
 #define KVFLOW_DOT_BF16 1
 #endif
 
