@@ -462,10 +462,11 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> str:
     once more than twice its moving mmap threshold is free, and the next layer faults
     the pages in again, zeroed. On an Intel Xeon, prompt steps of 8 x 256 tokens took
     17,000-280,000 minor faults each (up to ~1.1 GB), how many depending on the process,
-    and ran 1.04-1.13x the time of steps with 0-10 faults. Fixed thresholds (allocations up to 32 MB from the heap,
-    returned only past 1 GB free at its top) remove them; memory held stays at a step's
-    peak. Not where the environment already sets either one, or the C library is not
-    glibc. Returns what was done, for the start-up log ("" where nothing was)."""
+    and ran 1.04-1.13x the time of steps with 0-10 faults. Fixed thresholds (allocations
+    up to 32 MB from the heap, returned only past 1 GB free at its top) remove them;
+    memory held stays at a step's peak. Not where the environment already sets either
+    one, or the C library is not glibc. Returns what was done, for the start-up log (""
+    where nothing was)."""
     env = os.environ if environ is None else environ
     if any(k in env for k in MALLOC_ENV):
         return ""

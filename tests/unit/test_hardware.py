@@ -319,10 +319,13 @@ def test_the_vendor_comes_from_the_first_processor(tmp_path) -> None:
 
 # A fresh interpreter that frees 4 blocks of 16 MB after each of 8 rounds of writing them,
 # as a prompt step's layers do with their temporaries, and prints the minor page faults
-# of rounds 3-8 (the first two settle glibc's moving threshold).
+# of rounds 3-8 (the first two settle glibc's moving threshold). It turns transparent huge
+# pages off for itself (prctl PR_SET_THP_DISABLE), so that a fault is one 4 KB page
+# whatever the machine's THP setting (`always` would fault 2 MB at a time).
 FAULT_ROUNDS = """
 import ctypes, resource, sys
 from worker.hardware import keep_freed_memory
+assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 libc = ctypes.CDLL(None)

@@ -279,9 +279,10 @@ class MLP(nn.Module):
         assert isinstance(self.gate_up_proj, Linear) and isinstance(self.down_proj, Linear)
         gate_up = self.gate_up_proj.matmul(h, tokens, ops)  # [R, 2 * I]
         down = self.down_proj
-        if down.path(tokens, ops) == "int16" and down.int16_weight is not None:
+        if down.path(tokens, ops) == "int16":
             # float32 layers hold no padding rows (R == tokens): SiLU and multiply happen
             # as the int16 products round their inputs, the [R, I] product never stored
+            assert down.int16_weight is not None
             return ops.linear_i16_silu(gate_up, down.int16_weight, down.bias)
         return down.matmul(ops.silu_mul(gate_up, gate_up.dtype, tokens), tokens, ops)
 

@@ -42,7 +42,7 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(  # included by SOURCES
-    Path(__file__).with_name("kernels") / name for name in ("bf16.h", "int16.h")
+    Path(__file__).with_name("kernels") / name for name in ("bf16.h", "int16.h", "silu.h")
 )
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")  # and -march
 # The older instruction sets `load_native` builds for, by the /proc/cpuinfo flags a CPU

@@ -46,6 +46,7 @@
 #include <string.h>
 
 #include "int16.h"
+#include "silu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -110,13 +111,12 @@ static inline void quantize_block(const float *xr, __m256i q[4], float *scale_ou
     *scale_out = scale;
 }
 
-/* silu(gate) * up for n inputs of a row, as layer_ops.c's kvflow_silu_mul computes them
- * (the same expression: exp(-a) bounded below float32's overflow). */
+/* silu(gate) * up for n inputs of a row (silu.h, as kvflow_silu_mul computes them). */
 static inline __attribute__((always_inline)) void silu_block(const float *restrict g,
                                                             const float *restrict u,
                                                             float *restrict dst, int n) {
 #pragma omp simd
-    for (int i = 0; i < n; i++) dst[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
+    for (int i = 0; i < n; i++) dst[i] = silu_times(g[i], u[i]);
 }
 
 /* Per row and block of KB inputs: scale = max |x| / X_MAX, xq = round(x / scale). The

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "silu.h"
 
 /* Fewer tokens than this run on the calling thread. torch's pool is still awake between
  * a step's kernels, so a parallel region is cheap: SiLU, the norm with its residual add
@@ -114,11 +115,7 @@ silu_mul(const void *gate_up, void *out, int T, int I, const int in_bf16, const 
         char *o = (char *)out + (size_t)t * row_bytes(I, out_bf16);
 #pragma omp simd
         for (int i = 0; i < I; i++) {
-            const float a = load(g, i, in_bf16);
-            /* exp(-a) bounded below float32's overflow: with -ffast-math the division is a
-             * reciprocal and a refinement step, which an infinite denominator turns into
-             * NaN (gates below about -88.7); past the bound silu(a) is -0 to float32 */
-            store(o, i, a / (1.0f + expf(fminf(-a, 88.0f))) * load(u, i, in_bf16), out_bf16);
+            store(o, i, silu_times(load(g, i, in_bf16), load(u, i, in_bf16)), out_bf16);
         }
     }
 }
