@@ -31,6 +31,7 @@ with like on a machine whose speed drifts).
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import worker.engine.model_runner as runner_mod
 import worker.model.llama as llama_mod
 import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
@@ -149,6 +151,14 @@ def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[
                 delattr(owner, name)  # a bound method: the class's comes back
 
 
+def _separate_silu(
+    self: NativeKernels, gate_up: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`NativeKernels.linear_i16_silu` as two calls: SiLU and multiply stored, then the
+    int16 products (the same values, bit for bit; `--separate-silu`)."""
+    return self.linear_i16(self.silu_mul(gate_up), weight, bias)
+
+
 def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
     """`batch` requests with `context`-token prompts, all prefilled, ready to decode."""
     if batch > engine.config.max_num_seqs:
@@ -244,6 +254,7 @@ class PromptProfile:
     phases_ms: dict[str, float]  # medians per step
     limit_tok_s: float  # the linear layers alone at prompts x tokens rows: best pass
     limit_median_tok_s: float
+    faults: int = 0  # minor page faults a step (median): freed memory zeroed again
 
     @property
     def tok_s(self) -> float:
@@ -272,6 +283,7 @@ def profile_prompt(engine: LLMEngine, prompts: int, tokens: int, steps: int = 5)
     layers = _linear_layers(engine, rows, head_rows=prompts)
     walls: list[float] = []
     passes: list[float] = []
+    faults: list[int] = []
     split: dict[str, list[float]] = {p: [] for p in PHASES}
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for step in range(steps + 1):  # the first warms up: not counted
@@ -280,9 +292,11 @@ def profile_prompt(engine: LLMEngine, prompts: int, tokens: int, steps: int = 5)
             engine.add_request(f"prompt{rows}-{step}-{i}", prompt, params)
         timers = PhaseTimers(lambda: None)
         with _labelled(engine, timers):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             engine.step()
             wall = (time.perf_counter() - t0) * 1000
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         stats = engine.last_stats
         if stats is None or stats.num_prefill_tokens != rows:
             engine.abort(list(engine.scheduler.requests))
@@ -307,6 +321,7 @@ def profile_prompt(engine: LLMEngine, prompts: int, tokens: int, steps: int = 5)
         {p: statistics.median(v) for p, v in split.items()},
         rows / min(passes),
         rows / statistics.median(passes),
+        int(statistics.median(faults[1:])),
     )
 
 
@@ -856,11 +871,27 @@ def main() -> None:
         "8x256,4x256+128 (prompts x new tokens, + tokens cached before them)",
     )
     ap.add_argument(
+        "--separate-silu",
+        action="store_true",
+        help="int16 layers: SiLU and multiply as their own op before the down projection "
+        "(rather than as it rounds its inputs), to compare in another process",
+    )
+    ap.add_argument(
+        "--glibc-default-malloc",
+        action="store_true",
+        help="leave glibc's allocator as it starts (the engine otherwise keeps the memory a "
+        "step frees), to compare in another process (--prompts prints page faults a step)",
+    )
+    ap.add_argument(
         "--torch-profiler",
         action="store_true",
         help="split the step under the torch profiler rather than with timers",
     )
     args = ap.parse_args()
+    if args.separate_silu:
+        NativeKernels.linear_i16_silu = _separate_silu  # type: ignore[method-assign]
+    if args.glibc_default_malloc:
+        runner_mod.keep_freed_memory = lambda: ""
     engine = LLMEngine(
         EngineConfig(
             dtype=args.dtype,
@@ -891,6 +922,7 @@ def main() -> None:
         for n, tokens in shapes:
             print(f"profiling prompt steps of {n} x {tokens} tokens", file=sys.stderr)
             prompt_rows.append(profile_prompt(engine, n, tokens))
+            print(f"  {prompt_rows[-1].faults} minor page faults a step", file=sys.stderr)
         print(prompt_table(prompt_rows, limit_label(engine)))
         return
     batches = tuple(int(b) for b in args.batches.split(","))
