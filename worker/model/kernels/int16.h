@@ -16,7 +16,11 @@
 #define I16_VNNI 0
 #define I16_LANES 8 /* columns a weight block: int32 lanes a vector */
 #endif
-#define I16_NR 3  /* column blocks a tile, and a panel that one thread takes */
+#if I16_VNNI
+#define I16_NR 3 /* column blocks a tile, and a panel that one thread takes */
+#else
+#define I16_NR 6
+#endif
 #define I16_MC 64 /* rows per chunk: 64 x K int16 inputs (<= 192 KB at K = 1536) in L2 */
 
 /* One build's tiles over a chunk's rows mc..mend-1 (mc a multiple of I16_MC) x the panel

@@ -18,15 +18,19 @@
  * Weights: per output column, 14 bits (relative step 2^-13 of the column's largest
  * weight); bfloat16 keeps 8 significant bits of each. Inputs: 13 bits per block of 64.
  *
- * Tiles of MR = 4 rows x NR = 3 column blocks (24 columns): 12 int32 accumulators; per
- * pair of inputs 4 broadcasts (one 16-byte run of xq), 12 vpmaddwd with the weights as
- * memory operands and 12 vpaddd. The full tile's loop is written in assembly: with
- * intrinsics gcc spilled accumulators to the stack (4 x 3: 66-69 GOP/s on one thread, 4 x
- * 2 in intrinsics 102-104, AMD EPYC Zen 3, the default model's four decoder shapes at 64
- * rows; float32 through oneDNN 63-67 GFLOP/s); the assembly 4 x 3 took 0.83-0.86x the 4 x
- * 2's time at 4-64 rows, 0.97x at 256-512 (2 threads), where both ran at ~112 GOP/s a
- * core: ~70-80% of what this core sustains of vpmaddwd + vpaddd pairs alone (1.3-1.6 a
- * cycle). Threads split the column panels; the rows go through in chunks of I16_MC so that a
+ * Tiles of MR = 2 rows x NR = 6 column blocks (48 columns): 12 int32 accumulators; per
+ * pair of inputs 2 broadcasts, 12 vpmaddwd with the weights as memory operands and 12
+ * vpaddd. The full tile's loop is written in assembly: with intrinsics gcc spilled
+ * accumulators to the stack (4 x 3: 66-69 GOP/s on one thread, 4 x 2 in intrinsics
+ * 102-104, AMD EPYC Zen 3, the default model's four decoder shapes at 64 rows; float32
+ * through oneDNN 63-67 GFLOP/s). That core (Zen 3) runs 2 vpmaddwd a cycle alone but
+ * about 1.6 vpmaddwd + vpaddd pairs: the four vector pipes are the limit, and a broadcast
+ * takes one of them too. So the tile is as wide as its registers allow, to broadcast as
+ * few inputs as it can (1 per 6 vpmaddwd against 1 per 3 in the 4 x 3 tile before it),
+ * and a block's sums go to the float32 totals from the registers they were made in.
+ * The 4 x 3 tile ran at ~112 GOP/s a core (~70-80% of the vpmaddwd + vpaddd rate); this
+ * one took 0.95x its time at 32-2,048 rows (2 threads, ~260 GOP/s), the same at 1-16.
+ * Threads split the column panels; the rows go through in chunks of I16_MC so that a
  * chunk's inputs stay in L2 while every panel passes over them.
  *
  * Measured there with the 4 x 2 tile (2 threads, the four shapes of a decoder layer,
@@ -123,7 +127,7 @@ static inline __attribute__((always_inline)) void silu_block(const float *restri
  * rounded rows are written four at a time, pair by pair, as the tiles read them:
  * xq [ceil(M / 4)][K / 2][4] pairs of int16 (the last group's slots past M zeros, or
  * unwritten in a block short of KB: never read, the edge tiles read their own rows
- * only), so one tile's four broadcasts of a step are one 16-byte run. A group's full
+ * only), so a tile's broadcasts of a step lie in one 16-byte run. A group's full
  * blocks are rounded in vectors and its four rows' pairs interleaved by a transpose.
  * Row m of x starts at x + m * ldx. With `silu` (a literal where this is inlined) the
  * inputs are silu(gate) * up of rows [gate (K), up (K)], computed a block at a time on
@@ -188,7 +192,7 @@ static inline __attribute__((always_inline)) void quantize_rows(const float *x, 
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !I16_VNNI
-#define MR 4
+#define MR 2 /* rows a tile: half a group of four in xq */
 #define NR I16_NR
 
 /* A block's int32 sums into the float32 totals, each row's by its block scale. */
@@ -217,8 +221,8 @@ store_tile(float total[MR][NR][8], const float *restrict ws, const float *restri
     }
 }
 
-/* Rows m0..m0+mr-1 (m0 a multiple of 4) x column blocks b0..b0+nr-1 over all K (mr, nr
- * literals where inlined); the tiles short of 4 x 3 at the edges. */
+/* Rows m0..m0+mr-1 (m0 even) x column blocks b0..b0+nr-1 over all K (mr, nr literals
+ * where inlined); the tiles short of 2 x 6 at the edges. */
 static inline __attribute__((always_inline)) void
 tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restrict wq,
      const float *restrict ws, const float *restrict bias, float *restrict out, int K, int N,
@@ -239,7 +243,7 @@ tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restri
                     (const __m256i *)(wq + (size_t)(b0 + n) * wstride + (size_t)p * 16));
             for (int m = 0; m < mr; m++) {
                 const __m256i pair = _mm256_set1_epi32(
-                    ((const int32_t *)xq)[((size_t)(m0 / 4) * (K / 2) + p) * 4 + m]);
+                    ((const int32_t *)xq)[((size_t)(m0 / 4) * (K / 2) + p) * 4 + m0 % 4 + m]);
                 for (int n = 0; n < nr; n++)
                     acc[m][n] = _mm256_add_epi32(acc[m][n], _mm256_madd_epi16(pair, w[n]));
             }
@@ -249,69 +253,113 @@ tile(const int16_t *restrict xq, const float *restrict xs, const int16_t *restri
     store_tile(total, ws, bias, out, N, m0, b0, mr, nr);
 }
 
-/* The full tile, 4 rows x 3 column blocks, its pair loop in assembly: the 12 accumulators
- * stay in registers (written with intrinsics, gcc spills some of them inside the loop),
- * ymm12-13 the broadcast pairs, ymm14-15 the products. The same sums in the same order
- * as `tile`, so a row's result does not depend on which tile it falls in. */
+/* The full tile, 2 rows x 6 column blocks, in assembly: ymm0-5 row 0's accumulators,
+ * ymm6-11 row 1's, ymm12-13 the broadcast pairs, ymm14-15 the products; a block's sums
+ * are added to the totals (in memory, [2][6][8] float32) times the rows' block scales as
+ * add_block adds them. The same sums in the same order as `tile`, so a row's result does
+ * not depend on which tile it falls in. */
 static inline __attribute__((always_inline)) void
-tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *restrict wq,
+tile26(const int16_t *restrict xq, const float *restrict xs, const int16_t *restrict wq,
        const float *restrict ws, const float *restrict bias, float *restrict out, int K, int N,
        int nkb, int m0, int b0) {
     float total[MR][NR][8] __attribute__((aligned(32)));
     memset(total, 0, sizeof(total));
     const size_t wstride = (size_t)K * 8;
+    const long ws2 = (long)wstride * 2; /* bytes per column block */
     for (int kb = 0; kb < nkb; kb++) {
         const int p0 = kb * (KB / 2), p1 = (K / 2 < p0 + KB / 2) ? K / 2 : p0 + KB / 2;
-        __m256i a00, a01, a02, a10, a11, a12, a20, a21, a22, a30, a31, a32;
-        a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 =
-            _mm256_setzero_si256();
         const int16_t *w0 = wq + (size_t)b0 * wstride + (size_t)p0 * 16;
-        const int32_t *x0 = (const int32_t *)xq + ((size_t)(m0 / 4) * (K / 2) + p0) * 4;
+        const int16_t *v0 = w0 + 3 * wstride; /* column blocks 3-5 */
+        const int32_t *x0 = (const int32_t *)xq + ((size_t)(m0 / 4) * (K / 2) + p0) * 4 + m0 % 4;
         const int32_t *xend = x0 + (size_t)(p1 - p0) * 4;
-        const long ws2 = (long)wstride * 2; /* bytes per column block */
         __asm__ volatile(
+            "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+            "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+            "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+            "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+            "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
+            "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+            "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
+            "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+            "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+            "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+            "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"
+            "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
             "1:\n\t"
             "vpbroadcastd (%[x]), %%ymm12\n\t"
             "vpbroadcastd 4(%[x]), %%ymm13\n\t"
             "vpmaddwd (%[w]), %%ymm12, %%ymm14\n\t"
-            "vpaddd %%ymm14, %[a00], %[a00]\n\t"
+            "vpaddd %%ymm14, %%ymm0, %%ymm0\n\t"
             "vpmaddwd (%[w],%[ws]), %%ymm12, %%ymm15\n\t"
-            "vpaddd %%ymm15, %[a01], %[a01]\n\t"
+            "vpaddd %%ymm15, %%ymm1, %%ymm1\n\t"
             "vpmaddwd (%[w],%[ws],2), %%ymm12, %%ymm14\n\t"
-            "vpaddd %%ymm14, %[a02], %[a02]\n\t"
-            "vpmaddwd (%[w]), %%ymm13, %%ymm15\n\t"
-            "vpaddd %%ymm15, %[a10], %[a10]\n\t"
-            "vpmaddwd (%[w],%[ws]), %%ymm13, %%ymm14\n\t"
-            "vpaddd %%ymm14, %[a11], %[a11]\n\t"
-            "vpmaddwd (%[w],%[ws],2), %%ymm13, %%ymm15\n\t"
-            "vpaddd %%ymm15, %[a12], %[a12]\n\t"
-            "vpbroadcastd 8(%[x]), %%ymm12\n\t"
-            "vpbroadcastd 12(%[x]), %%ymm13\n\t"
-            "vpmaddwd (%[w]), %%ymm12, %%ymm14\n\t"
-            "vpaddd %%ymm14, %[a20], %[a20]\n\t"
-            "vpmaddwd (%[w],%[ws]), %%ymm12, %%ymm15\n\t"
-            "vpaddd %%ymm15, %[a21], %[a21]\n\t"
-            "vpmaddwd (%[w],%[ws],2), %%ymm12, %%ymm14\n\t"
-            "vpaddd %%ymm14, %[a22], %[a22]\n\t"
-            "vpmaddwd (%[w]), %%ymm13, %%ymm15\n\t"
-            "vpaddd %%ymm15, %[a30], %[a30]\n\t"
-            "vpmaddwd (%[w],%[ws]), %%ymm13, %%ymm14\n\t"
-            "vpaddd %%ymm14, %[a31], %[a31]\n\t"
-            "vpmaddwd (%[w],%[ws],2), %%ymm13, %%ymm15\n\t"
-            "vpaddd %%ymm15, %[a32], %[a32]\n\t"
+            "vpaddd %%ymm14, %%ymm2, %%ymm2\n\t"
+            "vpmaddwd (%[v]), %%ymm12, %%ymm15\n\t"
+            "vpaddd %%ymm15, %%ymm3, %%ymm3\n\t"
+            "vpmaddwd (%[v],%[ws]), %%ymm12, %%ymm14\n\t"
+            "vpaddd %%ymm14, %%ymm4, %%ymm4\n\t"
+            "vpmaddwd (%[v],%[ws],2), %%ymm12, %%ymm15\n\t"
+            "vpaddd %%ymm15, %%ymm5, %%ymm5\n\t"
+            "vpmaddwd (%[w]), %%ymm13, %%ymm14\n\t"
+            "vpaddd %%ymm14, %%ymm6, %%ymm6\n\t"
+            "vpmaddwd (%[w],%[ws]), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %%ymm7, %%ymm7\n\t"
+            "vpmaddwd (%[w],%[ws],2), %%ymm13, %%ymm14\n\t"
+            "vpaddd %%ymm14, %%ymm8, %%ymm8\n\t"
+            "vpmaddwd (%[v]), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %%ymm9, %%ymm9\n\t"
+            "vpmaddwd (%[v],%[ws]), %%ymm13, %%ymm14\n\t"
+            "vpaddd %%ymm14, %%ymm10, %%ymm10\n\t"
+            "vpmaddwd (%[v],%[ws],2), %%ymm13, %%ymm15\n\t"
+            "vpaddd %%ymm15, %%ymm11, %%ymm11\n\t"
             "add $16, %[x]\n\t"
             "add $32, %[w]\n\t"
+            "add $32, %[v]\n\t"
             "cmp %[xend], %[x]\n\t"
             "jne 1b\n\t"
-            : [a00] "+x"(a00), [a01] "+x"(a01), [a02] "+x"(a02), [a10] "+x"(a10),
-              [a11] "+x"(a11), [a12] "+x"(a12), [a20] "+x"(a20), [a21] "+x"(a21),
-              [a22] "+x"(a22), [a30] "+x"(a30), [a31] "+x"(a31), [a32] "+x"(a32),
-              [x] "+r"(x0), [w] "+r"(w0)
-            : [xend] "r"(xend), [ws] "r"(ws2)
-            : "ymm12", "ymm13", "ymm14", "ymm15", "memory", "cc");
-        const __m256i acc[MR][NR] = {
-            {a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
-        add_block(total, acc, xs, nkb, m0, kb, MR, NR);
+            "vbroadcastss (%[s0]), %%ymm12\n\t"
+            "vbroadcastss (%[s1]), %%ymm13\n\t"
+            "vcvtdq2ps %%ymm0, %%ymm0\n\t"
+            "vfmadd213ps 0(%[total]), %%ymm12, %%ymm0\n\t"
+            "vmovaps %%ymm0, 0(%[total])\n\t"
+            "vcvtdq2ps %%ymm1, %%ymm1\n\t"
+            "vfmadd213ps 32(%[total]), %%ymm12, %%ymm1\n\t"
+            "vmovaps %%ymm1, 32(%[total])\n\t"
+            "vcvtdq2ps %%ymm2, %%ymm2\n\t"
+            "vfmadd213ps 64(%[total]), %%ymm12, %%ymm2\n\t"
+            "vmovaps %%ymm2, 64(%[total])\n\t"
+            "vcvtdq2ps %%ymm3, %%ymm3\n\t"
+            "vfmadd213ps 96(%[total]), %%ymm12, %%ymm3\n\t"
+            "vmovaps %%ymm3, 96(%[total])\n\t"
+            "vcvtdq2ps %%ymm4, %%ymm4\n\t"
+            "vfmadd213ps 128(%[total]), %%ymm12, %%ymm4\n\t"
+            "vmovaps %%ymm4, 128(%[total])\n\t"
+            "vcvtdq2ps %%ymm5, %%ymm5\n\t"
+            "vfmadd213ps 160(%[total]), %%ymm12, %%ymm5\n\t"
+            "vmovaps %%ymm5, 160(%[total])\n\t"
+            "vcvtdq2ps %%ymm6, %%ymm6\n\t"
+            "vfmadd213ps 192(%[total]), %%ymm13, %%ymm6\n\t"
+            "vmovaps %%ymm6, 192(%[total])\n\t"
+            "vcvtdq2ps %%ymm7, %%ymm7\n\t"
+            "vfmadd213ps 224(%[total]), %%ymm13, %%ymm7\n\t"
+            "vmovaps %%ymm7, 224(%[total])\n\t"
+            "vcvtdq2ps %%ymm8, %%ymm8\n\t"
+            "vfmadd213ps 256(%[total]), %%ymm13, %%ymm8\n\t"
+            "vmovaps %%ymm8, 256(%[total])\n\t"
+            "vcvtdq2ps %%ymm9, %%ymm9\n\t"
+            "vfmadd213ps 288(%[total]), %%ymm13, %%ymm9\n\t"
+            "vmovaps %%ymm9, 288(%[total])\n\t"
+            "vcvtdq2ps %%ymm10, %%ymm10\n\t"
+            "vfmadd213ps 320(%[total]), %%ymm13, %%ymm10\n\t"
+            "vmovaps %%ymm10, 320(%[total])\n\t"
+            "vcvtdq2ps %%ymm11, %%ymm11\n\t"
+            "vfmadd213ps 352(%[total]), %%ymm13, %%ymm11\n\t"
+            "vmovaps %%ymm11, 352(%[total])\n\t"
+            : [x] "+r"(x0), [w] "+r"(w0), [v] "+r"(v0)
+            : [xend] "r"(xend), [ws] "r"(ws2), [total] "r"(total),
+              [s0] "r"(xs + (size_t)m0 * nkb + kb), [s1] "r"(xs + (size_t)(m0 + 1) * nkb + kb)
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+              "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
     }
     store_tile(total, ws, bias, out, N, m0, b0, MR, NR);
 }
@@ -319,7 +367,10 @@ tile43(const int16_t *restrict xq, const float *restrict xs, const int16_t *rest
 #define TILE(MV, NV) tile(xq, xs, wq, ws, bias, out, K, N, nkb, m, b, MV, NV)
 #define ROWS_CASE(MV)                                                                   \
     case MV:                                                                            \
-        if (MV == 4 && nr == 3) tile43(xq, xs, wq, ws, bias, out, K, N, nkb, m, b);     \
+        if (MV == 2 && nr == 6) tile26(xq, xs, wq, ws, bias, out, K, N, nkb, m, b);     \
+        else if (nr == 6) TILE(MV, 6);                                                  \
+        else if (nr == 5) TILE(MV, 5);                                                  \
+        else if (nr == 4) TILE(MV, 4);                                                  \
         else if (nr == 3) TILE(MV, 3);                                                  \
         else if (nr == 2) TILE(MV, 2);                                                  \
         else TILE(MV, 1);                                                               \
@@ -330,7 +381,7 @@ void kvflow_i16_panel(const int16_t *xq, const float *xs, const int16_t *wq, con
                       int b, int nr) {
     for (int m = mc; m < mend; m += MR) {
         switch (mend - m < MR ? mend - m : MR) {
-            ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2) ROWS_CASE(1)
+            ROWS_CASE(2) ROWS_CASE(1)
         }
     }
 }
