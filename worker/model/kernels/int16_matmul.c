@@ -23,13 +23,14 @@
  * vpaddd. The full tile's loop is written in assembly: with intrinsics gcc spilled
  * accumulators to the stack (4 x 3: 66-69 GOP/s on one thread, 4 x 2 in intrinsics
  * 102-104, AMD EPYC Zen 3, the default model's four decoder shapes at 64 rows; float32
- * through oneDNN 63-67 GFLOP/s). That core (Zen 3) runs 2 vpmaddwd a cycle alone but
- * about 1.6 vpmaddwd + vpaddd pairs: the four vector pipes are the limit, and a broadcast
- * takes one of them too. So the tile is as wide as its registers allow, to broadcast as
- * few inputs as it can (1 per 6 vpmaddwd against 1 per 3 in the 4 x 3 tile before it),
- * and a block's sums go to the float32 totals from the registers they were made in.
- * The 4 x 3 tile ran at ~112 GOP/s a core (~70-80% of the vpmaddwd + vpaddd rate); this
- * one took 0.95x its time at 32-2,048 rows (2 threads, ~260 GOP/s), the same at 1-16.
+ * through oneDNN 63-67 GFLOP/s). That core runs 2 vpmaddwd a cycle alone, but only
+ * ~1.5-1.6 vpmaddwd + vpaddd pairs, and a broadcast competes for the same vector pipes;
+ * so the tile is as wide as the registers allow, to broadcast as few inputs as it can (1
+ * per 6 vpmaddwd against 1 per 3 in the 4 x 3 tile before it), and a block's sums go to
+ * the float32 totals from the registers they were made in (4 x 3 tiles stored them
+ * first). The 4 x 3 tile ran at ~112-126 GOP/s a core; this one took 0.92x its time at
+ * 32-2,048 rows (2 threads, 257-275 GOP/s: ~1.35 vpmaddwd a cycle a core, the rounding
+ * of the inputs included), the same at 1-8.
  * Threads split the column panels; the rows go through in chunks of I16_MC so that a
  * chunk's inputs stay in L2 while every panel passes over them.
  *
