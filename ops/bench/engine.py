@@ -22,7 +22,9 @@ Systems:
   llama-server       (with --llama-server PATH) llama.cpp's server, same GGUF, at slot
                      counts --llama-slots; its best slot count is its figure
 Prints output tok/s and computed tok/s (prompt + output), TTFT / ITL / e2e p50 and p99
-per system, the ratios, and kvflow's time outside the forward pass at batch >= 32;
+per system, the ratios, kvflow's time outside the forward pass at batch >= 32 and its
+steps by kind (prompt steps; decode steps of 1-8, 9-32, 33+ sequences: count, seconds,
+share);
 with --profile, a decode step's time split (linear layers, attention, sampling,
 bookkeeping) at batch 16/32/64 and the linear layers' limit at those batch sizes.
 Writes JSON, a Markdown table and a PNG.
@@ -50,6 +52,7 @@ from workload import Workload, make_longtail_workload, make_workload
 
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.outputs import StepStats
 from worker.request import SamplingParams, percentile
 
 # prompt steps profiled with --profile (prompts x tokens, prefilled in one step each):
@@ -91,6 +94,53 @@ class Result:
 
 # -- kvflow --------------------------------------------------------------------------------
 
+# Kinds of step by what they computed: a step with any prompt tokens, then decode-only
+# steps by the sequences in them (bounds inclusive).
+STEP_KINDS = (
+    ("with prompt tokens", None),
+    ("decode, 1-8 sequences", (1, 8)),
+    ("decode, 9-32 sequences", (9, 32)),
+    ("decode, 33+ sequences", (33, 1 << 30)),
+)
+
+
+def step_split(stats: list[StepStats]) -> list[dict[str, float | str]]:
+    """Where a run's step time went: per kind of step, its count, seconds, share of all
+    steps' time and the tokens (prompt + decode) those steps computed."""
+    total = sum(s.step_time_s for s in stats) or 1.0
+    rows: list[dict[str, float | str]] = []
+    for name, bounds in STEP_KINDS:
+        if bounds is None:
+            steps = [s for s in stats if s.num_prefill_tokens > 0]
+        else:
+            lo, hi = bounds
+            steps = [s for s in stats if s.num_prefill_tokens == 0 and lo <= s.batch_size <= hi]
+        seconds = sum(s.step_time_s for s in steps)
+        rows.append(
+            {
+                "kind": name,
+                "steps": len(steps),
+                "seconds": seconds,
+                "share": seconds / total,
+                "prompt_tokens": sum(s.num_prefill_tokens for s in steps),
+                "decode_tokens": sum(s.num_decode_tokens for s in steps),
+            }
+        )
+    return rows
+
+
+def split_table(rows: list[dict[str, float | str]]) -> str:
+    lines = [
+        "| steps | count | s | share of step time | prompt tokens | decode tokens |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} | {r['steps']} | {float(r['seconds']):.2f} | {float(r['share']):.0%} "
+            f"| {r['prompt_tokens']} | {r['decode_tokens']} |"
+        )
+    return "\n".join(lines)
+
 
 def run_kvflow(engine: LLMEngine, wl: Workload, name: str) -> Result:
     t0 = time.time()
@@ -126,6 +176,7 @@ def run_kvflow(engine: LLMEngine, wl: Workload, name: str) -> Result:
     res.extra["steps"] = len(stats)
     res.extra["preemptions"] = float(engine.scheduler.num_preemptions)
     res.extra["timeline"] = [(s.started_at - t0, s.batch_size, s.kv_usage) for s in stats]  # type: ignore[assignment]
+    res.extra["step_split"] = step_split(stats)  # type: ignore[assignment]
     return res
 
 
@@ -414,6 +465,10 @@ def main() -> None:
     base = "kvflow-continuous"
     md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, linear layers {engine.info.linear}, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
     md += table(results, base)
+    split = next((r.extra["step_split"] for r in results if r.system == base), None)
+    if split:
+        md += f"\n\n{base}'s steps by kind (where the run's time went):\n\n"
+        md += split_table(split)  # type: ignore[arg-type]
     if peer_runs:
         md += "\n\nllama-server by slot count (output tok/s): " + ", ".join(
             f"{p.slots}: {p.tok_s:.1f}" for p in peer_runs
