@@ -6,6 +6,8 @@ the paths of an AVX2-only one, nor a Zen 4 those of an Intel Xeon without bfloat
 
 from __future__ import annotations
 
+import torch
+
 from worker.hardware import read_cpu_flags
 from worker.model.native import MARCH_FLAGS, NativeKernels, load_native
 
@@ -33,3 +35,15 @@ def load_build(march: str) -> NativeKernels:
     loaded = load_native(march=march)
     assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
     return loaded.kernels
+
+
+def onednn_packs_bfloat16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it needs avx512bw, avx512vl and
+    avx512dq, or avx_ne_convert: an AMD EPYC with AVX2 only has neither)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 64)
+    except RuntimeError:
+        return False
+    return True

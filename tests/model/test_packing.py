@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.model.builds import onednn_packs_bfloat16
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.model.llama import Linear, padded_rows
@@ -18,17 +19,7 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-def _packs_bfloat16() -> bool:
-    """Whether oneDNN packs bfloat16 weights on this CPU (it needs avx512bw, avx512vl and
-    avx512dq, or avx_ne_convert: an AMD EPYC with AVX2 only has neither)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 64)
-    except RuntimeError:
-        return False
-    return True
-
-
-BF16_PACKS = torch.backends.mkldnn.is_available() and _packs_bfloat16()
+BF16_PACKS = onednn_packs_bfloat16()
 # the narrow dtype the runner tests pack: float32 where oneDNN refuses bfloat16
 PACKED_DTYPE = torch.bfloat16 if BF16_PACKS else torch.float32
 PACKED_NAME = "bfloat16" if BF16_PACKS else "float32"
