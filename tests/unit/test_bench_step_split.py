@@ -11,8 +11,7 @@ import pytest
 
 from worker.engine.outputs import StepStats
 
-BENCH = Path(__file__).resolve().parents[2] / "ops" / "bench"
-sys.path.insert(0, str(BENCH))  # engine.py imports its neighbours (workload, step_profile)
+BENCH = Path(__file__).resolve().parents[2] / "ops" / "bench"  # engine.py puts itself on the path
 _spec = importlib.util.spec_from_file_location("kvflow_bench_engine", BENCH / "engine.py")
 assert _spec is not None and _spec.loader is not None
 engine_bench = importlib.util.module_from_spec(_spec)
