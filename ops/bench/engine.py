@@ -53,6 +53,7 @@ from workload import Workload, make_longtail_workload, make_workload
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import StepStats
+from worker.hardware import KV_CACHE_DTYPES
 from worker.request import SamplingParams, percentile
 
 # prompt steps profiled with --profile (prompts x tokens, prefilled in one step each):
@@ -343,6 +344,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS, help="CPU linear layers")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--workload", choices=("mixed", "longtail"), default="mixed")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--llama-slots", default="1,2,4,8,16")
@@ -358,6 +360,7 @@ def main() -> None:
     cfg = EngineConfig(
         dtype=args.dtype,
         linear=args.linear,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

@@ -54,6 +54,7 @@ import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
+from worker.hardware import KV_CACHE_DTYPES
 from worker.model.native import NativeKernels, prefill_kernel_fits
 from worker.model.packing import attach_rows_weights, pack_linear_layers
 from worker.request import SamplingParams
@@ -705,6 +706,7 @@ def compare_prefill(
     # the C paths need the runner's kernels; "flash" what the runner asks of it at start-up
     flash = (
         runner.kv_dtype in (torch.float32, torch.bfloat16)
+        and runner.v_dtype == runner.kv_dtype
         and cfg.sliding_window is None
         and prefill_kernel_fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bs)
     )
@@ -823,9 +825,7 @@ def main() -> None:
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
     ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS)
-    ap.add_argument(
-        "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8")
-    )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument(
         "--compare-layer-ops",
         action="store_true",
