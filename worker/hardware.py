@@ -183,7 +183,7 @@ def choose_output_head(requested: str, linear: str, device: str) -> DtypeChoice:
     return DtypeChoice(linear, f"{linear} candidates re-scored in float32")
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "bfloat16-int8")
 
 
 def choose_kv_dtype(
@@ -192,6 +192,8 @@ def choose_kv_dtype(
     activation_dtype: str,
     linear_dtype: str | None = None,
     in_place_decode: bool = False,
+    cpu_flags: frozenset[str] = frozenset(),
+    prompt_kernel: bool = False,
 ) -> DtypeChoice:
     """The KV cache's dtype. On CUDA the model's. On CPU a bfloat16 cache holds half the
     bytes per block, so twice the blocks in the same memory, each value rounded as it is
@@ -223,7 +225,21 @@ def choose_kv_dtype(
     AMX, 64 sequences: batch-64 decode steps 0.95x bfloat16's time at contexts of 256,
     0.86x at 1,024 (both caches alternating in one process); but next-token agreement
     with float32 through decode is 1007 of 1024 (bfloat16 cache: 1016), under the 99%
-    bar, so `auto` does not take it."""
+    bar, so `auto` does not take it.
+
+    "bfloat16-int8" keeps the keys in bfloat16 and rounds the values alone to int8 rows:
+    196 bytes a head and token against 256 (1.31x the blocks). The keys are what int8 costs
+    agreement (rows rounded through int8 after each step, 32 prompts x 64 positions: keys
+    alone 2017 of 2048, values alone 2034, bfloat16 2032; the cache itself 2030), and
+    decode attention reads the cache at the memory's pace, so fewer bytes are less time.
+    `auto` takes it behind bfloat16 linear layers on a CPU with AMX, where prompts are
+    attended by bfloat16 SDPA on their exact K/V, and decode attention reads the cache in
+    place: batch-64 decode steps (contexts of 256) took 0.86x / 0.94x bfloat16's time,
+    attention 17.0 against 20.3-20.7 ms, batch-16 steps 0.95x / 0.98x (Intel Xeon with AMX,
+    two alternating runs of `ops/bench/step_profile.py --batches 16,64 --kv-cache-dtype`).
+    Not where the C prompt kernel is asked for (`prompt_kernel`: it reads a float32 or
+    bfloat16 cache only), and not on the CPUs whose prompts take the C kernels (AVX2, or
+    avx512_bf16 without AMX: unmeasured there)."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if device != "cpu":
@@ -234,6 +250,13 @@ def choose_kv_dtype(
         return DtypeChoice(activation_dtype, "the model's dtype")
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
+    amx = linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags
+    if amx and in_place_decode and not prompt_kernel:
+        return DtypeChoice(
+            "bfloat16-int8",
+            "auto: bfloat16 linear layers, AMX and in-place decode attention; values as "
+            "int8, keys as bfloat16",
+        )
     if linear_dtype in ("bfloat16", "int16") and in_place_decode:
         return DtypeChoice(
             "bfloat16", f"auto: {linear_dtype} linear layers and in-place decode attention"

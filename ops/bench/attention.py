@@ -69,7 +69,7 @@ def main() -> None:
             prefills=[],
             in_place=in_place,
             block_size=bs,
-            workspace=Workspace(torch.device("cpu"), torch.float32),
+            workspace=Workspace(torch.device("cpu")),
         )
 
     paths = {

@@ -216,6 +216,35 @@ def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
         ops.rope_store(qkv, cos, sin, slots, narrow, narrow.clone(), heads)
 
 
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_keeps_keys_in_bfloat16_and_quantizes_values(
+    ops: NativeKernels, qkv_dtype: torch.dtype
+) -> None:
+    """Bfloat16 keys over int8 values: each token's K row rounded to bfloat16 as torch
+    rounds, its V row as `quantize_rows` makes it, byte for byte; nothing else written."""
+    heads, kv_heads, dim, bs, num_blocks, tokens = 6, 2, 64, 16, 32, 40
+    g = torch.Generator().manual_seed(23)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(qkv_dtype)
+    positions = torch.randint(0, 2048, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos, sin = freqs.cos(), freqs.sin()
+    k_cache = torch.zeros(num_blocks, kv_heads, bs, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros(num_blocks, kv_heads, bs, dim + 4, dtype=torch.int8)
+
+    _, k_out, v_out = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads)
+
+    assert torch.equal(k_cache[slots // bs, :, slots % bs], k_out.bfloat16())
+    assert torch.equal(v_cache[slots // bs, :, slots % bs], quantize_rows(v_out))
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool)
+    written[slots] = True
+    for cache in (k_cache, v_cache):
+        untouched = cache.permute(0, 2, 1, 3).reshape(num_blocks * bs, -1)[~written]
+        assert torch.count_nonzero(untouched) == 0
+    with pytest.raises(TypeError, match=r"int8 keys over torch\.bfloat16 values"):
+        ops.rope_store(qkv, cos, sin, slots, v_cache, k_cache, heads)
+
+
 def test_layer_ops_refuse_what_they_cannot_read(ops: NativeKernels) -> None:
     x = torch.randn(8, 64)
     w = torch.ones(64)
@@ -246,7 +275,13 @@ def test_layer_ops_refuse_what_they_cannot_read(ops: NativeKernels) -> None:
 @pytest.mark.parametrize("variant", ["llama3", "smollm2", "mistral", "qwen2"])
 @pytest.mark.parametrize(
     ("dtype", "kv"),
-    [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "int8"), ("bfloat16", "int8")],
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float32", "int8"),
+        ("bfloat16", "int8"),
+        ("bfloat16", "bfloat16-int8"),
+    ],
 )
 def test_layer_ops_path_equals_the_torch_path(
     variant: str, dtype: str, kv: str, tiny_model_dir
@@ -254,7 +289,8 @@ def test_layer_ops_path_equals_the_torch_path(
     """The same steps (a prefill; then decode rows, a fresh prefill and a chunk continuing
     a cached prompt, mixed) through the C layer ops and through the torch ops, both with
     the C attention kernel: logits and caches agree (bfloat16 layers: padded rows; an int8
-    cache: the C store's rows and torch's `quantize_rows`, compared dequantized)."""
+    cache, or int8 values behind bfloat16 keys: the C store's rows and torch's
+    `quantize_rows`, compared dequantized)."""
     from tests.model.test_equivalence import _sched
 
     path = tiny_model_dir(variant)

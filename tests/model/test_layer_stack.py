@@ -87,6 +87,7 @@ def _drop_rows_weights(runner: ModelRunner) -> None:
         ("smollm2", "bfloat16", "auto", "auto", None),
         ("smollm2", "bfloat16", "auto", "float32", None),
         ("smollm2", "bfloat16", "auto", "int8", None),
+        ("smollm2", "bfloat16", "auto", "bfloat16-int8", None),
         # the row kernel's copies dropped: oneDNN's packed bfloat16 matmul, padded rows
         ("smollm2", "bfloat16", "onednn", "auto", {"torch"}),
         # Qwen2's q, k and v projections have a bias the row kernel does not take

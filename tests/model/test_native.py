@@ -40,7 +40,6 @@ def _meta(
     groups: list[DecodeGroup],
     in_place: InPlaceDecode | None,
     bs: int,
-    cache_dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     empty = torch.empty(0, dtype=torch.int64)  # no new K/V: the caches are filled already
     return AttentionMetadata(
@@ -51,7 +50,7 @@ def _meta(
         prefills=[],
         in_place=in_place,
         block_size=bs,
-        workspace=Workspace(torch.device("cpu"), cache_dtype),  # gathers of cache rows
+        workspace=Workspace(torch.device("cpu")),  # gathers of cache rows
     )
 
 
@@ -62,7 +61,7 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
     group = DecodeGroup(
         0, n, rows, tables.shape[1], decode_mask(lens, tables.shape[1] * bs, window)
     )
-    meta = _meta([group], None, bs, k_cache.dtype)
+    meta = _meta([group], None, bs)
     no_kv = torch.empty(0, kvh, dim)
     return paged_attention(q, no_kv, no_kv, k_cache, v_cache, meta, dim**-0.5)
 
@@ -166,6 +165,24 @@ def test_kernel_reads_a_bfloat16_cache(kernels: NativeKernels) -> None:
         kernels.paged_decode(q, k_cache.half(), v_cache.half(), *args)
 
 
+def _kernel_equals_widened(kernels, q, k_cache, v_cache, tables, lens, bs, window) -> tuple:
+    """The kernel over narrow caches (bfloat16, int8 rows or both) equals the float32 path
+    on their widened values, and so does the torch gather path, which widens in torch.
+    The kernel's remaining arguments, for the caller's refusals."""
+    want = _torch_path(
+        q, widen(k_cache, torch.float32), widen(v_cache, torch.float32), tables, lens, bs, window
+    )
+    got = torch.full_like(q, float("nan"))
+    dim = q.shape[-1]
+    args = (tables.to(torch.int32), lens.to(torch.int32), got, dim**-0.5, window or 0)
+    kernels.paged_decode(q, k_cache, v_cache, *args)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        _torch_path(q, k_cache, v_cache, tables, lens, bs, window), want, atol=1e-6, rtol=1e-6
+    )
+    return args
+
+
 def test_kernel_reads_an_int8_cache(kernels: NativeKernels) -> None:
     """An int8 cache (rows of D values and their float32 scale): the kernel equals the
     float32 path run on the dequantized values, scores and sums in float32."""
@@ -173,18 +190,31 @@ def test_kernel_reads_an_int8_cache(kernels: NativeKernels) -> None:
         q, k_cache, v_cache, tables, lens = _case(9, heads, kv_heads, dim, bs, seed=bs + dim)
         k8, v8 = quantize_rows(k_cache), quantize_rows(v_cache)
         assert k8.shape == (*k_cache.shape[:3], dim + 4) and k8.dtype == torch.int8
-        kw, vw = widen(k8, torch.float32), widen(v8, torch.float32)
-        want = _torch_path(q, kw, vw, tables, lens, bs, window)
-        got = torch.full_like(q, float("nan"))
-        args = (tables.to(torch.int32), lens.to(torch.int32), got, dim**-0.5, window or 0)
-        kernels.paged_decode(q, k8, v8, *args)
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-        # the same through paged_attention's gather path, which dequantizes in torch
-        torch.testing.assert_close(
-            _torch_path(q, k8, v8, tables, lens, bs, window), want, atol=1e-6, rtol=1e-6
-        )
+        args = _kernel_equals_widened(kernels, q, k8, v8, tables, lens, bs, window)
     with pytest.raises(ValueError, match="cache rows of 36"):
         kernels.paged_decode(q, k8[..., :dim], v8[..., :dim], *args)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_reads_bfloat16_keys_over_int8_values(threads: int, kernels: NativeKernels) -> None:
+    """Keys bfloat16, values int8 rows with their scale: the kernel equals the float32
+    path on the widened keys and the dequantized values (the torch gather path too), with
+    sequences to a thread or (sequence, KV head) pairs; a pair the kernel has no entry for
+    is refused, not misread."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        shapes = ((16, 9, 3, 64, None, 9), (4, 8, 2, 32, 5, 13), (16, 4, 4, 128, None, 3))
+        for bs, heads, kv_heads, dim, window, n in shapes:
+            q, k_cache, v_cache, tables, lens = _case(n, heads, kv_heads, dim, bs, seed=dim + n)
+            k16, v8 = k_cache.bfloat16(), quantize_rows(v_cache)
+            args = _kernel_equals_widened(kernels, q, k16, v8, tables, lens, bs, window)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(TypeError, match=r"int8 keys over torch\.bfloat16 values"):
+        kernels.paged_decode(q, quantize_rows(k_cache), k16, *args)
+    with pytest.raises(ValueError, match=f"cache rows of {dim + 4}"):
+        kernels.paged_decode(q, k16, v8[..., :dim].contiguous(), *args)
 
 
 def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel(
@@ -285,8 +315,8 @@ def test_native_attention_is_refused_on_cuda() -> None:
 
 def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) -> None:
     """A bf16 cache holds twice the blocks in the same memory; auto takes it behind bf16
-    linear layers where the C kernel reads the cache in place. The start-up facts say
-    which and why."""
+    linear layers where the C kernel reads the cache in place, and on a CPU with AMX takes
+    bf16 keys over int8 values. The start-up facts say which and why."""
     from worker.engine.model_runner import ModelRunner
     from worker.model.loader import load_model
 
@@ -296,7 +326,7 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
             EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv),
             load_model(path, dtype="bfloat16"),
         )
-        for kv in ("auto", "float32", "bfloat16", "int8")
+        for kv in ("auto", "float32", "bfloat16", "int8", "bfloat16-int8")
     }
     auto, wide, narrow = runners["auto"], runners["float32"], runners["bfloat16"]
     # int8 rows: D values and a float32 scale, in the same bytes (smollm2's tiny D is 16)
@@ -309,7 +339,17 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
     assert wide.info.kv_cache_dtype == "float32 (set explicitly)"
     assert narrow.info.kv_cache_dtype == "bfloat16 (set explicitly)"
     assert narrow.info.num_blocks == 2 * wide.info.num_blocks
-    if auto.native is not None:
+    # bf16 keys (D) and int8 values (D + 4): a block's rows are half keys, half values
+    mixed = runners["bfloat16-int8"]
+    assert mixed.cache_dtypes == (torch.bfloat16, torch.int8)
+    assert mixed.info.kv_cache_dtype == "bfloat16-int8 (set explicitly)"
+    assert all(k.shape[-1] == dim and v.shape[-1] == dim + 4 for k, v in mixed.kv_caches)
+    assert all(k.shape[:3] == v.shape[:3] for k, v in mixed.kv_caches)
+    assert mixed.info.num_blocks == (8 << 20) // (rows_per_block // 2 * (3 * dim + 4))
+    if auto.native is not None and "amx_bf16" in read_cpu_flags():
+        assert auto.info.kv_cache_dtype.startswith("bfloat16-int8 (auto: bfloat16 linear")
+        assert auto.cache_dtypes == (torch.bfloat16, torch.int8)
+    elif auto.native is not None:
         assert auto.info.kv_cache_dtype.startswith("bfloat16 (auto: bfloat16 linear layers")
     else:
         assert auto.info.kv_cache_dtype.startswith("float32 (auto")

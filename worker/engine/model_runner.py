@@ -62,6 +62,17 @@ MAX_DECODE_PADDING = 0.25
 MIN_DECODE_GROUP = 8
 
 
+def cache_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """The keys' and the values' cache dtypes of a KV cache dtype's name
+    (`worker.hardware.choose_kv_dtype`): a torch dtype's for both, "int8" (rows of D
+    values and their float32 scale) for both, or "bfloat16-int8", bfloat16 keys over int8
+    values."""
+    if name == "bfloat16-int8":
+        return torch.bfloat16, torch.int8
+    dtype = torch.int8 if name == "int8" else DTYPES[name]
+    return dtype, dtype
+
+
 @dataclass(frozen=True)
 class RuntimeInfo:
     """Facts found at start-up (never written back into the config)."""
@@ -168,9 +179,12 @@ class ModelRunner:
             DTYPE_NAMES[act_dtype],
             linear_kind,
             self.native is not None,
+            read_cpu_flags(),
+            prompt_kernel=config.prefill_attention == "flash",
         )
-        # the KV cache's; int8 rows hold D values and their float32 scale (quantize_rows)
-        self.kv_dtype = torch.int8 if kv.dtype == "int8" else DTYPES[kv.dtype]
+        # the keys' cache and the values' (int8 rows hold D values and their float32 scale:
+        # quantize_rows); "bfloat16-int8" is bfloat16 keys over int8 values
+        self.kv_dtype, self.v_dtype = cache_dtypes(kv.dtype)
         prefill = choose_prefill_attention(
             config.prefill_attention,
             self.device.type,
@@ -191,19 +205,28 @@ class ModelRunner:
         self.prefill_in_place = prefill.dtype == "native"
         # prompt chunks attended by the C prompt kernel, each through its block table
         self.prefill_kernels = self.native if prefill.dtype == "flash" else None
-        row = mcfg.head_dim + I8_SCALE_BYTES if kv.dtype == "int8" else mcfg.head_dim
+        rows = [
+            mcfg.head_dim + (I8_SCALE_BYTES if t == torch.int8 else 0) for t in self.cache_dtypes
+        ]
         # bytes of K and V for one block across all layers
         block_bytes = (
-            2 * mcfg.num_layers * self.block_size * mcfg.num_kv_heads * row * self.kv_dtype.itemsize
+            mcfg.num_layers
+            * self.block_size
+            * mcfg.num_kv_heads
+            * sum(row * t.itemsize for row, t in zip(rows, self.cache_dtypes, strict=True))
         )
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
         self.num_kv_heads = mcfg.num_kv_heads
         # Head-major blocks (worker.model.attention explains why).
-        shape = (num_blocks, mcfg.num_kv_heads, self.block_size, row)
+        shapes = [(num_blocks, mcfg.num_kv_heads, self.block_size, row) for row in rows]
         self.kv_caches = [
-            (self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(mcfg.num_layers)
+            (
+                self._cache_tensor(shapes[0], self.kv_dtype),
+                self._cache_tensor(shapes[1], self.v_dtype),
+            )
+            for _ in range(mcfg.num_layers)
         ]
-        self.workspace = Workspace(self.device, self.kv_dtype)
+        self.workspace = Workspace(self.device)
         self._slots = num_blocks * self.block_size
         # steps whose every row the C kernels take: the decoder's layers as one run of C
         # calls (worker.model.layer_stack), the per-op path's kernels without its Python
@@ -282,11 +305,16 @@ class ModelRunner:
             return None, f"torch ({loaded.reason})"
         return loaded.kernels, f"native, in place ({loaded.reason})"
 
-    def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+    @property
+    def cache_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The keys' cache dtype and the values'."""
+        return self.kv_dtype, self.v_dtype
+
+    def _cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """One layer's K or V cache [blocks, KV heads, block size, D], zeroed (padded
         attention reads unwritten slots: masked, but 0 * NaN is NaN). On CPU it asks for
         2 MB pages before the zeroing first touches it (`advise_huge_pages`)."""
-        t = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        t = torch.empty(shape, dtype=dtype, device=self.device)
         if t.device.type == "cpu":
             advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
         return t.zero_()

@@ -44,19 +44,18 @@ class Workspace:
     which costs more than the gather that fills it; reusing one buffer avoids that.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.dtype = dtype
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, rows: int, cols: int) -> torch.Tensor:
-        """A [rows, cols] view of the named buffer (contents undefined)."""
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, cols] view of the named buffer in `dtype` (contents undefined)."""
         numel = rows * cols
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel:
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
             # Grow by half again so a slowly rising need does not reallocate every step.
-            size = max(numel, int(buf.numel() * 1.5) if buf is not None else 0)
-            buf = torch.empty(size, device=self.device, dtype=self.dtype)
+            grown = int(buf.numel() * 1.5) if buf is not None and buf.dtype == dtype else 0
+            buf = torch.empty(max(numel, grown), device=self.device, dtype=dtype)
             self._buffers[name] = buf
         return buf[:numel].view(rows, cols)
 
@@ -188,9 +187,11 @@ def store_kv(
     # Advanced indices around a slice: the indexed view is [T, KVH, D], as k is. The
     # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
     # stream on CPU): values are rounded as they are stored, and widened where read; an
-    # int8 cache takes each row quantized with its scale.
+    # int8 cache (keys and values, or values alone) takes each row quantized with its scale.
     if k_cache.dtype == torch.int8:
-        k, v = quantize_rows(k), quantize_rows(v)
+        k = quantize_rows(k)
+    if v_cache.dtype == torch.int8:
+        v = quantize_rows(v)
     k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
@@ -200,7 +201,7 @@ def paged_attention(
     k: torch.Tensor | None,  # [T, KVH, D]; needed only by prompt chunks through SDPA
     v: torch.Tensor | None,  # [T, KVH, D]
     k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: D + 4, see quantize_rows)
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # likewise (int8 behind a bfloat16 k_cache: "bfloat16-int8")
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [>= T, H, D], contiguous; any float dtype
@@ -213,10 +214,10 @@ def paged_attention(
     group = H // kvh
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    row = k_cache.shape[-1]  # D, or D + 4 for int8 rows with their scale
-    run_elems = meta.block_size * row  # one head's keys in one block
-    k_runs = k_cache.view(-1, run_elems)  # [num_blocks * KVH, block_size * D]
-    v_runs = v_cache.view(-1, run_elems)
+    k_row, v_row = k_cache.shape[-1], v_cache.shape[-1]  # D, or D + 4 for int8 rows
+    k_run, v_run = meta.block_size * k_row, meta.block_size * v_row  # a head's rows of a block
+    k_runs = k_cache.view(-1, k_run)  # [num_blocks * KVH, block_size * D]
+    v_runs = v_cache.view(-1, v_run)
     ws = meta.workspace
 
     if meta.in_place is not None:
@@ -246,10 +247,14 @@ def paged_attention(
         n = g.end - g.start
         L = g.num_blocks * meta.block_size
         rows = g.gather_index.numel()
-        kg = torch.index_select(k_runs, 0, g.gather_index, out=ws.get("k", rows, run_elems))
-        vg = torch.index_select(v_runs, 0, g.gather_index, out=ws.get("v", rows, run_elems))
-        kg = widen(kg.view(n * kvh, L, row), q.dtype)  # contiguous per (sequence, KV head)
-        vg = widen(vg.view(n * kvh, L, row), q.dtype)
+        kg = torch.index_select(
+            k_runs, 0, g.gather_index, out=ws.get("k", rows, k_run, k_runs.dtype)
+        )
+        vg = torch.index_select(
+            v_runs, 0, g.gather_index, out=ws.get("v", rows, v_run, v_runs.dtype)
+        )
+        kg = widen(kg.view(n * kvh, L, k_row), q.dtype)  # contiguous per (sequence, KV head)
+        vg = widen(vg.view(n * kvh, L, v_row), q.dtype)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
         # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf. Half
         # precision q and K (CUDA) are widened first: their product rounded to bfloat16
@@ -281,10 +286,14 @@ def paged_attention(
         else:
             rows = p.gather_index.numel()
             total = p.num_context + (p.end - p.start)
-            kp = torch.index_select(k_runs, 0, p.gather_index, out=ws.get("k", rows, run_elems))
-            vp = torch.index_select(v_runs, 0, p.gather_index, out=ws.get("v", rows, run_elems))
-            kp = widen(kp.view(kvh, -1, row)[:, :total], q.dtype)  # [KVH, total, D]
-            vp = widen(vp.view(kvh, -1, row)[:, :total], q.dtype)
+            kp = torch.index_select(
+                k_runs, 0, p.gather_index, out=ws.get("k", rows, k_run, k_runs.dtype)
+            )
+            vp = torch.index_select(
+                v_runs, 0, p.gather_index, out=ws.get("v", rows, v_run, v_runs.dtype)
+            )
+            kp = widen(kp.view(kvh, -1, k_row)[:, :total], q.dtype)  # [KVH, total, D]
+            vp = widen(vp.view(kvh, -1, v_row)[:, :total], q.dtype)
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]

@@ -154,20 +154,24 @@ class NativeKernels:
         AVX-512 FP16 in its flags): within ~1e-5 of q as it is) rather than q as it is."""
         return bool(self.lib.kvflow_bf16_scores())
 
-    def paged_decode_entry(self, cache_dtype: torch.dtype) -> Callable[..., int]:
-        """The library's decode attention for a cache of this dtype (float32, bfloat16 or
-        int8), as `paged_decode` calls it."""
+    def paged_decode_entry(
+        self, k_dtype: torch.dtype, v_dtype: torch.dtype | None = None
+    ) -> Callable[..., int]:
+        """The library's decode attention for caches of these dtypes (keys', values'; by
+        default the keys'): float32, bfloat16 or int8 alike, or bfloat16 keys over int8
+        values, as `paged_decode` calls it."""
         return {
-            torch.float32: self.lib.kvflow_paged_decode_f32,
-            torch.bfloat16: self.lib.kvflow_paged_decode_bf16,
-            torch.int8: self.lib.kvflow_paged_decode_i8,
-        }[cache_dtype]
+            (torch.float32, torch.float32): self.lib.kvflow_paged_decode_f32,
+            (torch.bfloat16, torch.bfloat16): self.lib.kvflow_paged_decode_bf16,
+            (torch.int8, torch.int8): self.lib.kvflow_paged_decode_i8,
+            (torch.bfloat16, torch.int8): self.lib.kvflow_paged_decode_bf16_i8,
+        }[k_dtype, v_dtype or k_dtype]
 
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
         k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
-        v_cache: torch.Tensor,  # like k_cache
+        v_cache: torch.Tensor,  # like k_cache, or int8 behind a bfloat16 k_cache
         block_tables: torch.Tensor,  # [n, max_blocks] int32
         context_lens: torch.Tensor,  # [n] int32
         out: torch.Tensor,  # [n, H, D] float32 or bfloat16, contiguous
@@ -183,7 +187,7 @@ class NativeKernels:
         _check_rows(q, float32_only=True)
         _check_rows(out)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
-        failed = self.paged_decode_entry(k_cache.dtype)(
+        failed = self.paged_decode_entry(k_cache.dtype, v_cache.dtype)(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -225,7 +229,11 @@ class NativeKernels:
         _check_cache(k_cache, v_cache, D, "reads")
         _check_rows(q, out, float32_only=True)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
-        _expect(k_cache.dtype in KV_DTYPES, "a float32 or bfloat16 cache", k_cache.dtype)
+        _expect(
+            k_cache.dtype in KV_DTYPES and v_cache.dtype == k_cache.dtype,
+            "a float32 or bfloat16 cache, keys and values alike",
+            (k_cache.dtype, v_cache.dtype),
+        )
         blocks = -(-(num_context + T) // BS)
         _expect(
             block_table.dtype == torch.int32
@@ -331,7 +339,7 @@ class NativeKernels:
         sin: torch.Tensor,
         slots: torch.Tensor,  # [T] int64 cache slots, each < NB * BS (the caller's word)
         k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
-        v_cache: torch.Tensor,
+        v_cache: torch.Tensor,  # like k_cache, or int8 behind a bfloat16 k_cache
         num_heads: int,
         kv_out: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -345,7 +353,13 @@ class NativeKernels:
         D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and a scale)
         _expect(qkv.shape[0] >= T and qkv.shape[1] == (H + 2 * KVH) * D, "qkv rows", qkv)
         _check_cache(k_cache, v_cache, D, "writes")
-        _expect(v_cache.shape == k_cache.shape and k_cache.is_contiguous(), "caches alike", v_cache)
+        _expect(
+            v_cache.shape[:3] == k_cache.shape[:3]
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous(),
+            "contiguous caches of the same blocks",
+            v_cache,
+        )
         _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
         _expect(slots.dtype == torch.int64 and slots.shape == (T,), f"{T} int64 slots", slots)
         out = torch.empty(T * (H + 2 * KVH if kv_out else H) * D, dtype=torch.float32)
@@ -365,6 +379,7 @@ class NativeKernels:
             qkv.dtype == torch.bfloat16,
             k_cache.dtype == torch.bfloat16,
             k_cache.dtype == torch.int8,
+            v_cache.dtype == torch.int8,
             kv_out,
         )
         if not kv_out:
@@ -542,13 +557,24 @@ def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_
     )
 
 
+# (keys', values') cache dtypes the C kernels read and write
+CACHE_PAIRS = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.int8, torch.int8),
+    (torch.bfloat16, torch.int8),
+)
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
-    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (*KV_DTYPES, torch.int8):
+    if (k_cache.dtype, v_cache.dtype) not in CACHE_PAIRS:
         raise TypeError(
-            f"the C kernel {verb} a float32, bfloat16 or int8 cache, not {k_cache.dtype}"
+            f"the C kernel {verb} a float32, bfloat16 or int8 cache (or bfloat16 keys over "
+            f"int8 values), not {k_cache.dtype} keys over {v_cache.dtype} values"
         )
-    row = D + I8_SCALE_BYTES if k_cache.dtype == torch.int8 else D
-    _expect(k_cache.dim() == 4 and k_cache.shape[-1] == row, f"cache rows of {row}", k_cache)
+    for cache in (k_cache, v_cache):
+        row = D + I8_SCALE_BYTES if cache.dtype == torch.int8 else D
+        _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
 
 
 def _expect(ok: bool, what: str, got: object) -> None:
@@ -641,6 +667,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
         lib.kvflow_paged_decode_f32,
         lib.kvflow_paged_decode_bf16,
         lib.kvflow_paged_decode_i8,
+        lib.kvflow_paged_decode_bf16_i8,
     ):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
@@ -656,7 +683,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
     lib.kvflow_rope_store.restype = None
-    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9
+    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 10
     lib.kvflow_matmul_rows_bf16.restype = ctypes.c_int
     lib.kvflow_matmul_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.kvflow_matmul_rows_built.restype = ctypes.c_int

@@ -396,17 +396,17 @@ static inline const char *run_at(const void *cache, size_t row, const int32_t *t
     return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS) * row;
 }
 
-/* One (sequence, KV head) pair. G, D and kind are parameters of an always-inlined
- * function, called with literals below: with them known at compile time the dot products
- * and the value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
+/* One (sequence, KV head) pair. G, D and the two caches' kinds are parameters of an
+ * always-inlined function, called with literals below: with them known at compile time
+ * the dot products and the value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
  * wide: [BS, D] (a bf16 or int8 block run widened). */
 static inline __attribute__((always_inline)) void
 attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
-            int h, int KVH, const int G, const int D, const int kind, int BS, float scale,
+            int h, int KVH, const int G, const int D, const int kind_k, const int kind_v, int BS, float scale,
             float *restrict scores, float *restrict acc, float *restrict wide,
             const char *const then[AHEAD]) {
-    const size_t row = row_bytes(kind, D);
+    const size_t row_k = row_bytes(kind_k, D), row_v = row_bytes(kind_v, D);
     const int m = len - first;
     if (m <= 0) {
         memset(o, 0, sizeof(float) * (size_t)G * D);
@@ -420,7 +420,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #endif
 #if defined(KVFLOW_DOT_BF16)
     uint16_t qb[QB_MAX] __attribute__((aligned(64))), ql[QB_MAX] __attribute__((aligned(64)));
-    const int dot_bf16 = kind == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
+    const int dot_bf16 = kind_k == KV_BF16 && D % 32 == 0 && G * D <= QB_MAX;
     for (int i = 0; dot_bf16 && i < G * D; i++) {
         qb[i] = to_bf16(qh[i]);
         ql[i] = to_bf16(qh[i] - from_bf16(qb[i]));
@@ -429,11 +429,12 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #if defined(KVFLOW_AVX2)
     float qe[EO_MAX / 2] __attribute__((aligned(32)));
     float qo[EO_MAX / 2] __attribute__((aligned(32)));
-    const int eo = kind == KV_BF16 && D % 16 == 0 && G * D <= EO_MAX;
+    const int eo = kind_k == KV_BF16 && D % 16 == 0 && G * D <= EO_MAX;
     for (int i = 0; eo && i < G * D / 2; i++) {
         qe[i] = qh[(i / 8) * 16 + 2 * (i % 8)];
         qo[i] = qh[(i / 8) * 16 + 2 * (i % 8) + 1];
     }
+    const int eo_v = kind_v == KV_BF16 && D % 16 == 0 && G * D <= EO_MAX; /* values alike */
     __m128 mx4[MAX_GROUP];
     for (int g = 0; g < G; g++) mx4[g] = _mm_set1_ps(-FLT_MAX);
 #endif
@@ -443,12 +444,12 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     const int nv = (len - 1) / BS + 1 - first / BS, skip = AHEAD > nv ? AHEAD - nv : 0;
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
-        const char *run = block_run(k_cache, row, table, t, len, h, KVH, BS, &stop);
+        const char *run = block_run(k_cache, row_k, table, t, len, h, KVH, BS, &stop);
         /* AHEAD blocks on: a key run, or past the last one the value runs from the start */
         const int ahead = (t / BS + AHEAD) * BS, past = ahead - ((len - 1) / BS + 1) * BS;
         const char *next =
-            past < 0 ? run_at(k_cache, row, table, ahead, len, h, KVH, BS)
-                     : run_at(v_cache, row, table, (first / BS + past / BS - skip) * BS, len, h,
+            past < 0 ? run_at(k_cache, row_k, table, ahead, len, h, KVH, BS)
+                     : run_at(v_cache, row_v, table, (first / BS + past / BS - skip) * BS, len, h,
                               KVH, BS);
         int j = 0;
 #if defined(KVFLOW_DOT_BF16)
@@ -507,7 +508,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             next = NULL; /* asked for: the last 1-3 keys of a partial run go the plain way */
         }
 #endif
-        const float *kb = as_f32(run, stop, D, wide, kind, next);
+        const float *kb = as_f32(run, stop, D, wide, kind_k, next);
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
             for (; j + 16 <= stop; j += 16) {
@@ -579,14 +580,14 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
 #endif
     if (!in_regs) memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = first, stop; t < len; t += stop) {
-        const char *run = block_run(v_cache, row, table, t, len, h, KVH, BS, &stop);
+        const char *run = block_run(v_cache, row_v, table, t, len, h, KVH, BS, &stop);
         /* AHEAD blocks on: a value run, or past the last one the next pair's key runs */
         const int past = t / BS + AHEAD - ((len - 1) / BS + 1);
-        const char *next = past < 0 ? run_at(v_cache, row, table, (t / BS + AHEAD) * BS, len, h,
+        const char *next = past < 0 ? run_at(v_cache, row_v, table, (t / BS + AHEAD) * BS, len, h,
                                              KVH, BS)
                                     : then[past - skip];
 #if defined(__AVX512F__)
-        if (kind != KV_F32 && in_regs) {
+        if (kind_v != KV_F32 && in_regs) {
             /* A bfloat16 or int8 run widened in registers, 16 values at a time, each
              * vector used by the G query heads (an int8 row's scale folds into the G
              * probabilities that weigh it): no widened copy stored and loaded again. One
@@ -594,14 +595,14 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
              * (Intel Xeon with AMX, 2 threads, both builds alternating), the same results. */
             __m512 pv[MAX_VECTOR_ACC]; /* G <= MAX_VECTOR_ACC where in_regs */
             for (int j = 0; j < stop; j++) {
-                const char *vr = run + (size_t)j * row;
-                ask_lines(next, (size_t)j * row, (size_t)(j + 1) * row); /* as read */
+                const char *vr = run + (size_t)j * row_v;
+                ask_lines(next, (size_t)j * row_v, (size_t)(j + 1) * row_v); /* as read */
                 float sc = 1.0f;
-                if (kind == KV_I8) memcpy(&sc, vr + D, sizeof sc);
+                if (kind_v == KV_I8) memcpy(&sc, vr + D, sizeof sc);
                 for (int g = 0; g < G; g++)
                     pv[g] = _mm512_set1_ps(sc * scores[(size_t)g * m + (t - first + j)]);
                 for (int c = 0; c < C; c++) {
-                    const __m512 v = widen16(vr, c, kind);
+                    const __m512 v = widen16(vr, c, kind_v);
                     for (int g = 0; g < G; g++)
                         av[g * C + c] = _mm512_fmadd_ps(pv[g], v, av[g * C + c]);
                 }
@@ -610,7 +611,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         }
 #endif
 #if defined(KVFLOW_AVX2)
-        if (eo) {
+        if (eo_v) {
             for (int g0 = 0; g0 < G; g0 += 3)
                 accumulate_eo(acc + (size_t)g0 * D, scores + (size_t)g0 * m + (t - first),
                               (size_t)m, (const uint16_t *)run, stop, G - g0 < 3 ? G - g0 : 3, D,
@@ -618,7 +619,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             continue;
         }
 #endif
-        const float *vb = as_f32(run, stop, D, wide, kind, next);
+        const float *vb = as_f32(run, stop, D, wide, kind_v, next);
 #if defined(KVFLOW_AVX2)
         if (D % 8 == 0) {
             for (int g = 0; g < G; g++)
@@ -651,7 +652,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             _mm512_storeu_ps(acc + (size_t)g * D + 16 * c, av[g * C + c]);
 #endif
 #if defined(KVFLOW_AVX2)
-    for (int c = 0; eo && c < G * D / 16; c++) { /* 8 even, 8 odd -> 16 in order */
+    for (int c = 0; eo_v && c < G * D / 16; c++) { /* 8 even, 8 odd -> 16 in order */
         const __m256 e = _mm256_loadu_ps(acc + 16 * c), od = _mm256_loadu_ps(acc + 16 * c + 8);
         const __m256 lo = _mm256_unpacklo_ps(e, od), hi = _mm256_unpackhi_ps(e, od);
         _mm256_storeu_ps(acc + 16 * c, _mm256_permute2f128_ps(lo, hi, 0x20));
@@ -669,9 +670,9 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
  * common (D 64 or 128; G 1 to 8: MHA and the usual GQA groups), so the compiler unrolls
  * the loops over G and keeps the G query rows and accumulators in vector registers; any
  * other shape takes the same code with runtime sizes. */
-#define ATTEND(GV, DV)                                                                      \
-    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, kind, BS, scale, \
-                scores, acc, wide, then)
+#define ATTEND(GV, DV)                                                                   \
+    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, kind_k, kind_v, \
+                BS, scale, scores, acc, wide, then)
 #define ATTEND_G(DV)              \
     switch (G) {                  \
     case 1: ATTEND(1, DV); break; \
@@ -697,7 +698,7 @@ static inline __attribute__((always_inline)) int
 paged_decode(const float *q, const void *k_cache, const void *v_cache,
              const int32_t *block_tables, const int32_t *context_lens, void *out, int out_bf16,
              int n, int H, int KVH, int D, int BS, int max_blocks, float scale, int window,
-             const int kind) {
+             const int kind_k, const int kind_v) {
     const int G = H / KVH;
     if (G > MAX_GROUP || G * KVH != H) return 2;
     int max_len = 1;
@@ -749,7 +750,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                     const int gi = guess / KVH, glen = context_lens[gi];
                     const int gfirst = first_key(glen, window);
                     for (int b = 0; b < AHEAD; b++)
-                        then[b] = run_at(k_cache, row_bytes(kind, D),
+                        then[b] = run_at(k_cache, row_bytes(kind_k, D),
                                          block_tables + (size_t)gi * max_blocks,
                                          (gfirst / BS + b) * BS, glen, guess % KVH, KVH, BS);
                 }
@@ -786,7 +787,7 @@ int kvflow_paged_decode_f32(const float *q, const void *k_cache, const void *v_c
                             int out_bf16, int n, int H, int KVH, int D, int BS, int max_blocks,
                             float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
-                        KVH, D, BS, max_blocks, scale, window, KV_F32);
+                        KVH, D, BS, max_blocks, scale, window, KV_F32, KV_F32);
 }
 
 int kvflow_paged_decode_bf16(const float *q, const void *k_cache, const void *v_cache,
@@ -794,7 +795,7 @@ int kvflow_paged_decode_bf16(const float *q, const void *k_cache, const void *v_
                              int out_bf16, int n, int H, int KVH, int D, int BS, int max_blocks,
                              float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
-                        KVH, D, BS, max_blocks, scale, window, KV_BF16);
+                        KVH, D, BS, max_blocks, scale, window, KV_BF16, KV_BF16);
 }
 
 int kvflow_paged_decode_i8(const float *q, const void *k_cache, const void *v_cache,
@@ -802,5 +803,16 @@ int kvflow_paged_decode_i8(const float *q, const void *k_cache, const void *v_ca
                            int out_bf16, int n, int H, int KVH, int D, int BS, int max_blocks,
                            float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
-                        KVH, D, BS, max_blocks, scale, window, KV_I8);
+                        KVH, D, BS, max_blocks, scale, window, KV_I8, KV_I8);
+}
+
+/* Keys bfloat16, values int8 rows with their scale: the values' bytes nearly halved
+ * where their rounding costs next-token agreement nothing measurable (the keys' would:
+ * see worker.hardware.choose_kv_dtype). */
+int kvflow_paged_decode_bf16_i8(const float *q, const void *k_cache, const void *v_cache,
+                                const int32_t *block_tables, const int32_t *context_lens,
+                                void *out, int out_bf16, int n, int H, int KVH, int D, int BS,
+                                int max_blocks, float scale, int window) {
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
+                        KVH, D, BS, max_blocks, scale, window, KV_BF16, KV_I8);
 }
