@@ -125,7 +125,8 @@ def engine_options(fn: F) -> F:
             default=None,
             help="KV cache dtype (CPU): auto is bfloat16 behind bfloat16 or int16 linear "
             "layers where the C decode kernel runs (bfloat16-int8 behind bfloat16 layers on a "
-            "CPU with AMX), else float32; bfloat16 holds twice float32's blocks in the same "
+            "CPU with AMX, unless prompts are attended from the cache), else float32; "
+            "bfloat16 holds twice float32's blocks in the same "
             "memory, int8 (one scale per token and head) 3.8x, bfloat16-int8 (bfloat16 keys, "
             "int8 values) 2.6x.",
         ),

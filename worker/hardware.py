@@ -193,7 +193,7 @@ def choose_kv_dtype(
     linear_dtype: str | None = None,
     in_place_decode: bool = False,
     cpu_flags: frozenset[str] = frozenset(),
-    prompt_kernel: bool = False,
+    prompts_read_cache: bool = False,
 ) -> DtypeChoice:
     """The KV cache's dtype. On CUDA the model's. On CPU a bfloat16 cache holds half the
     bytes per block, so twice the blocks in the same memory, each value rounded as it is
@@ -237,9 +237,11 @@ def choose_kv_dtype(
     place: batch-64 decode steps (contexts of 256) took 0.86x / 0.94x bfloat16's time,
     attention 17.0 against 20.3-20.7 ms, batch-16 steps 0.95x / 0.98x (Intel Xeon with AMX,
     two alternating runs of `ops/bench/step_profile.py --batches 16,64 --kv-cache-dtype`).
-    Not where the C prompt kernel is asked for (`prompt_kernel`: it reads a float32 or
-    bfloat16 cache only), and not on the CPUs whose prompts take the C kernels (AVX2, or
-    avx512_bf16 without AMX: unmeasured there)."""
+    Not where prompts are asked to be attended from the cache (`prompts_read_cache`:
+    prefill attention "flash", whose C prompt kernel reads float32 or bfloat16 caches only,
+    or "native", which would hand prompt rows the rounded values: unmeasured), and not on
+    the CPUs whose prompts take the C kernels (AVX2, or avx512_bf16 without AMX:
+    unmeasured there)."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if device != "cpu":
@@ -251,7 +253,7 @@ def choose_kv_dtype(
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
     amx = linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags
-    if amx and in_place_decode and not prompt_kernel:
+    if amx and in_place_decode and not prompts_read_cache:
         return DtypeChoice(
             "bfloat16-int8",
             "auto: bfloat16 linear layers, AMX and in-place decode attention; values as "

@@ -218,9 +218,9 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
     fails. An int8 cache (explicit only: `auto` never picks it) misses that bar: 1007 of
     1024 measured over the first 16 prompts, 2012 of 2048 over all 32 (Intel Xeon with
     AMX); held to 97% so that a broken quantization still fails. Bfloat16 keys over int8
-    values (what `auto` takes on a CPU with AMX) keep the bar: 2034 of 2048 there, where
-    the keys' rounding alone, values in bfloat16, gave 2017 (simulated, rows rounded
-    through int8 after each step)."""
+    values (what `auto` takes on a CPU with AMX) keep the bar: 2030 of 2048 there (2034
+    simulated, the values' rows rounded through int8 after each step, where the keys'
+    alone gave 2017)."""
     ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
     cfg = EngineConfig(
         num_kv_blocks=AGREEMENT_BLOCKS, kv_cache_dtype=kv_cache_dtype, attention="native"

@@ -215,6 +215,9 @@ def test_kernel_reads_bfloat16_keys_over_int8_values(threads: int, kernels: Nati
         kernels.paged_decode(q, quantize_rows(k_cache), k16, *args)
     with pytest.raises(ValueError, match=f"cache rows of {dim + 4}"):
         kernels.paged_decode(q, k16, v8[..., :dim].contiguous(), *args)
+    # the kernel indexes both caches by the keys' blocks: fewer value blocks are refused
+    with pytest.raises(ValueError, match="contiguous caches of the same blocks"):
+        kernels.paged_decode(q, k16, v8[:-1].contiguous(), *args)
 
 
 def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel(

@@ -112,14 +112,15 @@ def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
 
 def test_amx_takes_int8_values_behind_bfloat16_keys() -> None:
     """On a CPU with AMX behind bfloat16 layers, decode attention in place: bfloat16 keys
-    over int8 values (values cost no agreement, keys would); not where the C prompt
-    kernel (bfloat16 or float32 caches only) is asked for, nor without AMX, nor behind
-    int16 layers (whose prompts take the C kernels)."""
+    over int8 values (values cost no agreement, keys would); not where prompts are asked
+    to be attended from the cache (the C prompt kernel reads bfloat16 or float32 caches
+    only; the decode kernel's prompt rows would read rounded values), nor without AMX,
+    nor behind int16 layers (whose prompts take the C kernels)."""
     amx = frozenset({"avx512_bf16", "amx_bf16"})
     mixed = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx)
     assert mixed.dtype == "bfloat16-int8" and "AMX" in mixed.reason
-    kernel = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx, prompt_kernel=True)
-    assert kernel.dtype == "bfloat16"
+    cached = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx, True)
+    assert cached.dtype == "bfloat16"
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", False, amx).dtype == "float32"
     no_amx = frozenset({"avx512_bf16"})
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, no_amx).dtype == "bfloat16"

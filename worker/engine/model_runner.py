@@ -180,7 +180,7 @@ class ModelRunner:
             linear_kind,
             self.native is not None,
             read_cpu_flags(),
-            prompt_kernel=config.prefill_attention == "flash",
+            prompts_read_cache=config.prefill_attention in ("flash", "native"),
         )
         # the keys' cache and the values' (int8 rows hold D values and their float32 scale:
         # quantize_rows); "bfloat16-int8" is bfloat16 keys over int8 values

@@ -353,13 +353,6 @@ class NativeKernels:
         D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and a scale)
         _expect(qkv.shape[0] >= T and qkv.shape[1] == (H + 2 * KVH) * D, "qkv rows", qkv)
         _check_cache(k_cache, v_cache, D, "writes")
-        _expect(
-            v_cache.shape[:3] == k_cache.shape[:3]
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous(),
-            "contiguous caches of the same blocks",
-            v_cache,
-        )
         _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
         _expect(slots.dtype == torch.int64 and slots.shape == (T,), f"{T} int64 slots", slots)
         out = torch.empty(T * (H + 2 * KVH if kv_out else H) * D, dtype=torch.float32)
@@ -575,6 +568,14 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str
     for cache in (k_cache, v_cache):
         row = D + I8_SCALE_BYTES if cache.dtype == torch.int8 else D
         _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
+    # the kernels index both by the keys' blocks, heads and block size, in place
+    _expect(
+        v_cache.shape[:3] == k_cache.shape[:3]
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous(),
+        f"contiguous caches of the same blocks {tuple(k_cache.shape[:3])}",
+        v_cache,
+    )
 
 
 def _expect(ok: bool, what: str, got: object) -> None:

@@ -23,7 +23,9 @@
  * a float32): scores, softmax and sums stay float32. An int8 cache
  * (kvflow_paged_decode_i8) holds rows of D + 4 bytes, D values and then the row's float32
  * scale (value = scale * q): k_cache / v_cache [NB, KVH, BS, D + 4] int8, dequantized as
- * they are read. Where the CPU has avx512_bf16 and is not an Intel core with AMX or
+ * they are read. The two caches may also differ: bfloat16 keys over int8 values
+ * (kvflow_paged_decode_bf16_i8, k_cache [NB, KVH, BS, D], v_cache [.., D + 4]), each
+ * read as its kind, its rows of its own size. Where the CPU has avx512_bf16 and is not an Intel core with AMX or
  * AVX-512 FP16 (and D is a multiple of 32), the keys are not widened: the scores take q, cut into two bfloat16 halves, against the
  * stored keys with vdpbf16ps, products summed in float32 (score16_bf16; KVFLOW_DOT_BF16).
  *
@@ -103,25 +105,27 @@ static inline __attribute__((always_inline)) void ask_lines(const char *next, si
  * each of the G query heads that read it, keeps the inner loops plain float32 FMAs. kind
  * is a compile-time constant wherever this is inlined, so the tests fold away.
  *
- * `next` (NULL: none) is a run to be read later, asked into the cache meanwhile: for a
- * bfloat16 run one line per line widened, so that the prefetches spread over the work
+ * `next` (NULL: none) is a run to be read later, of rows of `next_row` bytes (the keys'
+ * or the values': the two caches' rows may differ), asked into the cache meanwhile, the
+ * same share of it as of this run is read: for a bfloat16 run one line per line
+ * widened, so that the prefetches spread over the work
  * rather than queue up at once (they stalled the core once the miss queue was full).
  * Prefetched into L2, not L1 (prefetcht2): on an AMD EPYC (Zen 4) with 2 threads, 64
  * sequences of 240-300 tokens, the kernel took 0.86-1.0 ms per layer against 1.24-1.34
  * with prefetcht0 and the whole run asked for at once. */
 static inline __attribute__((always_inline)) const float *
 as_f32(const char *restrict run, int rows, const int D, float *restrict wide, const int kind,
-       const char *next) {
+       const char *next, size_t next_row) {
     const int n = rows * D;
     if (kind == KV_F32) {
-        ask_lines(next, 0, (size_t)n * 4);
+        ask_lines(next, 0, (size_t)rows * next_row);
         return (const float *)run;
     }
     if (kind == KV_I8) { /* [rows, D + 4] -> [rows, D] float32, each row times its scale */
         const size_t i8_row = row_bytes(KV_I8, D);
         for (int j = 0; j < rows; j++) {
             const char *row = run + (size_t)j * i8_row;
-            ask_lines(next, (size_t)j * i8_row, (size_t)(j + 1) * i8_row);
+            ask_lines(next, (size_t)j * next_row, (size_t)(j + 1) * next_row);
             float sc;
             memcpy(&sc, row + D, sizeof sc);
             const int8_t *src = (const int8_t *)row;
@@ -134,7 +138,7 @@ as_f32(const char *restrict run, int rows, const int D, float *restrict wide, co
     const uint16_t *src = (const uint16_t *)run;
     uint32_t *dst = (uint32_t *)wide;
     for (int c = 0; c < n; c += 32) { /* 32 bf16 values: one cache line */
-        if (next != NULL) __builtin_prefetch(next + 2 * (size_t)c, 0, 1);
+        if (next != NULL) __builtin_prefetch(next + (size_t)c * next_row / D, 0, 1);
         const int end = c + 32 < n ? c + 32 : n;
 #pragma omp simd
         for (int i = c; i < end; i++) dst[i] = (uint32_t)src[i] << 16;
@@ -343,7 +347,8 @@ static inline __attribute__((always_inline)) void score4_eo(const uint16_t *rest
  * at a time (12 accumulators). */
 static inline __attribute__((always_inline)) void
 accumulate_eo(float *restrict acc, const float *restrict p, size_t m,
-              const uint16_t *restrict vb, int stop, const int GN, const int D, const char *next) {
+              const uint16_t *restrict vb, int stop, const int GN, const int D, const char *next,
+              size_t next_row) {
     for (int c0 = 0; c0 < D / 16; c0 += 2) {
         const int CN = D / 16 - c0 < 2 ? D / 16 - c0 : 2;
         __m256 a[3][4];
@@ -352,7 +357,7 @@ accumulate_eo(float *restrict acc, const float *restrict p, size_t m,
                 a[g][c] = _mm256_loadu_ps(acc + (size_t)g * D + 16 * c0 + 8 * c);
         for (int j = 0; j < stop; j++) {
             const uint16_t *vr = vb + (size_t)j * D;
-            if (c0 == 0) ask_lines(next, (size_t)j * D * 2, (size_t)(j + 1) * D * 2); /* a row */
+            if (c0 == 0) ask_lines(next, (size_t)j * next_row, (size_t)(j + 1) * next_row);
             for (int c = 0; c < CN; c++) {
                 __m256 e, o;
                 widen_eo(vr, c0 + c, &e, &o);
@@ -451,6 +456,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             past < 0 ? run_at(k_cache, row_k, table, ahead, len, h, KVH, BS)
                      : run_at(v_cache, row_v, table, (first / BS + past / BS - skip) * BS, len, h,
                               KVH, BS);
+        const size_t next_row = past < 0 ? row_k : row_v; /* the rows of the run `next` */
         int j = 0;
 #if defined(KVFLOW_DOT_BF16)
         if (dot_bf16) {
@@ -458,10 +464,9 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
              * scored, rather than all at once: 0.89-0.92x the kernel's time (AMD EPYC
              * Zen 5, 2 threads, 64 sequences of 240-300 tokens, 30 layers' caches, blocks
              * in order or scattered; alternating builds), the same results. */
-            const size_t rows16 = (size_t)16 * D * 2;
             const uint16_t *kr16 = (const uint16_t *)run;
             for (; j + 16 <= stop; j += 16) {
-                ask_lines(next, j * (size_t)D * 2, j * (size_t)D * 2 + rows16);
+                ask_lines(next, j * next_row, (j + 16) * next_row);
                 for (int g = 0; g < G; g++) {
                     keep16(scores + (size_t)g * m + (t - first + j), mx16 + g,
                            score16_bf16(qb + (size_t)g * D, ql + (size_t)g * D,
@@ -469,7 +474,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                            scale);
                 }
             }
-            ask_lines(next, j * (size_t)D * 2, (size_t)BS * D * 2); /* the rest of a block run */
+            ask_lines(next, j * next_row, (size_t)BS * next_row); /* the rest of a block run */
             for (; j < stop; j++) { /* the run's last keys: the same two halves */
                 for (int g = 0; g < G; g++) {
                     const uint16_t *qg = qb + (size_t)g * D, *qr = ql + (size_t)g * D;
@@ -490,7 +495,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         if (eo) {
             const uint16_t *kr16 = (const uint16_t *)run;
             for (; j + 4 <= stop; j += 4) {
-                ask_lines(next, j * (size_t)D * 2, (j + 4) * (size_t)D * 2);
+                ask_lines(next, j * next_row, (j + 4) * next_row);
                 for (int g0 = 0; g0 < G; g0 += 3) {
                     const int gn = G - g0 < 3 ? G - g0 : 3;
                     __m128 s4[3];
@@ -503,12 +508,12 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                     }
                 }
             }
-            ask_lines(next, j * (size_t)D * 2, (size_t)BS * D * 2);
+            ask_lines(next, j * next_row, (size_t)BS * next_row);
             if (j == stop) continue;
             next = NULL; /* asked for: the last 1-3 keys of a partial run go the plain way */
         }
 #endif
-        const float *kb = as_f32(run, stop, D, wide, kind_k, next);
+        const float *kb = as_f32(run, stop, D, wide, kind_k, next, next_row);
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
             for (; j + 16 <= stop; j += 16) {
@@ -586,6 +591,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         const char *next = past < 0 ? run_at(v_cache, row_v, table, (t / BS + AHEAD) * BS, len, h,
                                              KVH, BS)
                                     : then[past - skip];
+        const size_t next_row = past < 0 ? row_v : row_k; /* the rows of the run `next` */
 #if defined(__AVX512F__)
         if (kind_v != KV_F32 && in_regs) {
             /* A bfloat16 or int8 run widened in registers, 16 values at a time, each
@@ -596,7 +602,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             __m512 pv[MAX_VECTOR_ACC]; /* G <= MAX_VECTOR_ACC where in_regs */
             for (int j = 0; j < stop; j++) {
                 const char *vr = run + (size_t)j * row_v;
-                ask_lines(next, (size_t)j * row_v, (size_t)(j + 1) * row_v); /* as read */
+                ask_lines(next, (size_t)j * next_row, (size_t)(j + 1) * next_row); /* as read */
                 float sc = 1.0f;
                 if (kind_v == KV_I8) memcpy(&sc, vr + D, sizeof sc);
                 for (int g = 0; g < G; g++)
@@ -615,11 +621,11 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             for (int g0 = 0; g0 < G; g0 += 3)
                 accumulate_eo(acc + (size_t)g0 * D, scores + (size_t)g0 * m + (t - first),
                               (size_t)m, (const uint16_t *)run, stop, G - g0 < 3 ? G - g0 : 3, D,
-                              g0 == 0 ? next : NULL);
+                              g0 == 0 ? next : NULL, next_row);
             continue;
         }
 #endif
-        const float *vb = as_f32(run, stop, D, wide, kind_v, next);
+        const float *vb = as_f32(run, stop, D, wide, kind_v, next, next_row);
 #if defined(KVFLOW_AVX2)
         if (D % 8 == 0) {
             for (int g = 0; g < G; g++)
