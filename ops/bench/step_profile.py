@@ -31,6 +31,7 @@ with like on a machine whose speed drifts).
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import statistics
 import sys
@@ -69,10 +70,18 @@ class StepProfile:
     phases_ms: dict[str, float]  # per step
     limit_tok_s: float  # the linear layers alone: best pass
     limit_median_tok_s: float  # median of the passes run between the timed steps
+    bytes_read: float = 0.0  # what a step must read at least: weights and K/V (`step_bytes`)
+    read_gb_s: float = 0.0  # the memory's read rate (`read_bandwidth`); 0: not measured
 
     @property
     def tok_s(self) -> float:
         return self.batch / (self.step_ms / 1000)
+
+    @property
+    def memory_ms(self) -> float:
+        """The step's bytes at the memory's read rate: what the hardware allows a step
+        that reads each weight and each cached K/V row once."""
+        return self.bytes_read / (self.read_gb_s * 1e9) * 1000 if self.read_gb_s else 0.0
 
     @property
     def label(self) -> str:
@@ -227,7 +236,57 @@ def profile_decode(
     engine.abort(list(engine.scheduler.requests))
     wall = statistics.median(times) * 1000
     phases = _phases(totals, split, inside, logits)
-    return StepProfile(batch, wall, phases, batch / min(passes), batch / between)
+    # the timed steps' contexts: `context` tokens prefilled, then one more a step
+    nbytes = step_bytes(engine, batch, context + (steps + 1) / 2)
+    rate = read_bandwidth() if engine.runner.device.type == "cpu" else 0.0
+    return StepProfile(batch, wall, phases, batch / min(passes), batch / between, nbytes, rate)
+
+
+def step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
+    """Bytes a decode step of `batch` sequences of `context` cached tokens reads at least:
+    each linear layer's weight once, in the form its path reads at `batch` rows (the int16
+    copy, the row kernel's copy, the packed or plain weight, int8 ones), the output
+    projection's (the narrow copy where there is one; the float32 re-scoring of a few
+    candidate rows left out), and every cached K and V row once."""
+    runner = engine.runner
+    model, ops = runner.model, runner.step_ops
+    weights = 0
+    for m in model.modules():
+        if isinstance(m, llama_mod.Linear):
+            path = m.path(batch, ops)
+            if path == "int16" and m.int16_weight is not None:
+                weights += m.int16_weight.nbytes
+            elif path == "rows" and m.rows_weight is not None:
+                weights += m.rows_weight.numel() * m.rows_weight.element_size()
+            else:
+                size = torch.empty((), dtype=m.weight.dtype).element_size()
+                weights += m.weight.shape[0] * m.weight.shape[1] * size
+        elif isinstance(m, quant_mod.Int8Linear):
+            weights += m.out_features * m.in_features + 4 * m.out_features  # int8, scales
+    if model.narrow_head is None:
+        head = model.output_weight
+        weights += head.numel() * head.element_size()
+    # a token's K and V rows in every layer, as the caches hold them ([NB, KVH, BS, row])
+    per_token = sum(
+        k.shape[1] * (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
+        for k, v in runner.kv_caches
+    )
+    return weights + batch * context * per_token
+
+
+@functools.cache
+def read_bandwidth(gib: int = 1, repeats: int = 5) -> float:
+    """GB/s the CPU reads at from memory with all of torch's threads: the best of
+    `repeats` sums of a `gib` GiB float32 tensor (far larger than any cache), once per
+    process."""
+    x = torch.ones(gib * (1 << 30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
 
 
 def _phases(
@@ -425,12 +484,27 @@ def _table(first: str, rate: str, rows: Sequence[StepProfile | PromptProfile], d
     head = f"| {first} | step ms | {rate} | " + " | ".join(f"{p} ms" for p in PHASES)
     head += f" | linear-layer limit tok/s ({dtype}) | share of limit |"
     head += " share of the limit's median pass |"
-    lines = [head, "|" + "---|" * (len(PHASES) + 6)]
+    # decode steps measured on CPU: their bytes against the memory's read rate
+    memory = bool(rows) and all(isinstance(p, StepProfile) and p.read_gb_s for p in rows)
+    if memory:
+        head += " MB read | memory limit ms | share of the memory limit |"
+    lines = [head, "|" + "---|" * (len(PHASES) + 6 + (3 if memory else 0))]
     for p in rows:
         cells = " | ".join(f"{p.phases_ms[k]:.1f}" for k in PHASES)
-        lines.append(
+        line = (
             f"| {p.label} | {p.step_ms:.1f} | {p.tok_s:.0f} | {cells} | {p.limit_tok_s:.0f} | "
             f"{p.tok_s / p.limit_tok_s:.0%} | {p.tok_s / p.limit_median_tok_s:.0%} |"
+        )
+        if memory and isinstance(p, StepProfile):
+            line += (
+                f" {p.bytes_read / 1e6:.0f} | {p.memory_ms:.1f} | {p.memory_ms / p.step_ms:.0%} |"
+            )
+        lines.append(line)
+    if memory:
+        gb_s = rows[0].read_gb_s if isinstance(rows[0], StepProfile) else 0.0
+        lines.append(
+            f"\nMemory limit: the bytes a step must read (each weight and each cached K/V row "
+            f"once) at {gb_s:.1f} GB/s, this CPU's read rate (a sum over 1 GiB)."
         )
     return "\n".join(lines)
 

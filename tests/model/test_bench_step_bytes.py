@@ -1,0 +1,60 @@
+"""The step profile's memory limit (ops/bench/step_profile.py): the bytes a decode step
+must read, counted from the model's shapes and the cache's rows, not from the code that
+computes them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.config import EngineConfig
+from worker.engine.engine import LLMEngine
+
+BENCH = Path(__file__).resolve().parents[2] / "ops" / "bench"
+_spec = importlib.util.spec_from_file_location(
+    "kvflow_bench_step_profile", BENCH / "step_profile.py"
+)
+assert _spec is not None and _spec.loader is not None
+step_profile = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = step_profile  # its dataclasses look their module up there
+_spec.loader.exec_module(step_profile)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "row_bytes"),
+    # a head's K and V rows of a token: D values each, int8 rows with their float32 scale
+    [("float32", lambda d: 8 * d), ("bfloat16", lambda d: 4 * d), ("int8", lambda d: 2 * d + 8)],
+)
+def test_a_step_reads_its_weights_once_and_every_cached_row(
+    tiny_model_dir, kv_cache_dtype: str, row_bytes
+) -> None:
+    path = tiny_model_dir("smollm2")
+    cfg = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        linear="torch",
+        attention="torch",
+        kv_cache_dtype=kv_cache_dtype,
+        num_kv_blocks=64,
+        tune_batch=False,
+    )
+    engine = LLMEngine(cfg)
+    mc = engine.runner.model.config
+    C, D, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * D, mc.num_kv_heads * D
+    # float32 plain weights: qkv, o, gate and up, down per layer; the tied output projection
+    per_layer = C * (q + 2 * kv) + q * C + C * 2 * inter + inter * C
+    weights = 4 * (mc.num_layers * per_layer + mc.vocab_size * C)
+    per_token = mc.num_layers * mc.num_kv_heads * row_bytes(D)
+    assert step_profile.step_bytes(engine, 8, 0) == weights
+    assert step_profile.step_bytes(engine, 8, 100) == weights + 8 * 100 * per_token
+    assert step_profile.step_bytes(engine, 4, 37.5) == weights + 4 * 37.5 * per_token
+    # the table's memory columns: the bytes at the read rate, against the step's time
+    prof = step_profile.StepProfile(8, 50.0, dict.fromkeys(step_profile.PHASES, 1.0), 100, 90)
+    assert prof.memory_ms == 0.0 and "memory limit" not in step_profile.table([prof], "float32")
+    prof.bytes_read, prof.read_gb_s = 2e9, 100.0
+    assert prof.memory_ms == pytest.approx(20.0)
+    assert "| 2000 | 20.0 | 40% |" in step_profile.table([prof], "float32")
