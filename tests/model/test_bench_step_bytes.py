@@ -4,23 +4,13 @@ computes them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.bench_modules import load_bench
 from worker.config import EngineConfig
 from worker.engine.engine import LLMEngine
 
-BENCH = Path(__file__).resolve().parents[2] / "ops" / "bench"
-_spec = importlib.util.spec_from_file_location(
-    "kvflow_bench_step_profile", BENCH / "step_profile.py"
-)
-assert _spec is not None and _spec.loader is not None
-step_profile = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = step_profile  # its dataclasses look their module up there
-_spec.loader.exec_module(step_profile)
+step_profile = load_bench("step_profile")
 
 
 @pytest.mark.parametrize(

@@ -3,20 +3,12 @@ counted once, in the kind its prompt tokens and sequences put it, the shares of 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.bench_modules import load_bench
 from worker.engine.outputs import StepStats
 
-BENCH = Path(__file__).resolve().parents[2] / "ops" / "bench"  # engine.py puts itself on the path
-_spec = importlib.util.spec_from_file_location("kvflow_bench_engine", BENCH / "engine.py")
-assert _spec is not None and _spec.loader is not None
-engine_bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = engine_bench  # its dataclasses look their module up there
-_spec.loader.exec_module(engine_bench)
+engine_bench = load_bench("engine")
 
 
 def step(batch: int, prompt: int, decode: int, seconds: float) -> StepStats:

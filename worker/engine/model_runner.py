@@ -40,10 +40,10 @@ from worker.model.layer_stack import LayerStack
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import (
-    I8_SCALE_BYTES,
     KV_DTYPES,
     MAX_GROUP,
     NativeKernels,
+    cache_row,
     load_native,
     prefill_kernel_fits,
 )
@@ -205,9 +205,7 @@ class ModelRunner:
         self.prefill_in_place = prefill.dtype == "native"
         # prompt chunks attended by the C prompt kernel, each through its block table
         self.prefill_kernels = self.native if prefill.dtype == "flash" else None
-        rows = [
-            mcfg.head_dim + (I8_SCALE_BYTES if t == torch.int8 else 0) for t in self.cache_dtypes
-        ]
+        rows = [cache_row(t, mcfg.head_dim) for t in self.cache_dtypes]
         # bytes of K and V for one block across all layers
         block_bytes = (
             mcfg.num_layers

@@ -215,9 +215,9 @@ def paged_attention(
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     k_row, v_row = k_cache.shape[-1], v_cache.shape[-1]  # D, or D + 4 for int8 rows
-    k_run, v_run = meta.block_size * k_row, meta.block_size * v_row  # a head's rows of a block
-    k_runs = k_cache.view(-1, k_run)  # [num_blocks * KVH, block_size * D]
-    v_runs = v_cache.view(-1, v_run)
+    # a head's rows of a block, one run: [num_blocks * KVH, block_size * row]
+    k_runs = k_cache.view(-1, meta.block_size * k_row)
+    v_runs = v_cache.view(-1, meta.block_size * v_row)
     ws = meta.workspace
 
     if meta.in_place is not None:
@@ -246,15 +246,9 @@ def paged_attention(
     for g in meta.decode_groups:
         n = g.end - g.start
         L = g.num_blocks * meta.block_size
-        rows = g.gather_index.numel()
-        kg = torch.index_select(
-            k_runs, 0, g.gather_index, out=ws.get("k", rows, k_run, k_runs.dtype)
-        )
-        vg = torch.index_select(
-            v_runs, 0, g.gather_index, out=ws.get("v", rows, v_run, v_runs.dtype)
-        )
-        kg = widen(kg.view(n * kvh, L, k_row), q.dtype)  # contiguous per (sequence, KV head)
-        vg = widen(vg.view(n * kvh, L, v_row), q.dtype)
+        # contiguous per (sequence, KV head)
+        kg = widen(_gather(ws, "k", k_runs, g.gather_index).view(n * kvh, L, k_row), q.dtype)
+        vg = widen(_gather(ws, "v", v_runs, g.gather_index).view(n * kvh, L, v_row), q.dtype)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
         # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf. Half
         # precision q and K (CUDA) are widened first: their product rounded to bfloat16
@@ -284,16 +278,10 @@ def paged_attention(
             kp = k[p.start : p.end].transpose(0, 1)  # [KVH, L, D]
             vp = v[p.start : p.end].transpose(0, 1)
         else:
-            rows = p.gather_index.numel()
             total = p.num_context + (p.end - p.start)
-            kp = torch.index_select(
-                k_runs, 0, p.gather_index, out=ws.get("k", rows, k_run, k_runs.dtype)
-            )
-            vp = torch.index_select(
-                v_runs, 0, p.gather_index, out=ws.get("v", rows, v_run, v_runs.dtype)
-            )
-            kp = widen(kp.view(kvh, -1, k_row)[:, :total], q.dtype)  # [KVH, total, D]
-            vp = widen(vp.view(kvh, -1, v_row)[:, :total], q.dtype)
+            kp = _gather(ws, "k", k_runs, p.gather_index).view(kvh, -1, k_row)[:, :total]
+            vp = _gather(ws, "v", v_runs, p.gather_index).view(kvh, -1, v_row)[:, :total]
+            kp, vp = widen(kp, q.dtype), widen(vp, q.dtype)  # [KVH, total, D]
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]
@@ -310,6 +298,13 @@ def paged_attention(
         )
         out[p.start : p.end] = o[0].transpose(0, 1)
     return out
+
+
+def _gather(ws: Workspace, name: str, runs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The cache runs `index` names, in order, into the workspace's buffer `name`:
+    [index.numel(), run] in the cache's dtype."""
+    out = ws.get(name, index.numel(), runs.shape[1], runs.dtype)
+    return torch.index_select(runs, 0, index, out=out)
 
 
 def decode_mask(

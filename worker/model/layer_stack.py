@@ -53,7 +53,7 @@ from worker.model.llama import (
     LlamaForCausalLM,
     padded_rows,
 )
-from worker.model.native import NativeKernels, int16_scratch_bytes
+from worker.model.native import NativeKernels, int16_scratch_bytes, store_flags
 
 if TYPE_CHECKING:
     from worker.model.attention import AttentionMetadata, InPlaceDecode, PrefillChunk
@@ -187,9 +187,7 @@ class LayerStack:
         act = first.mlp.down_proj.weight.dtype
         self.act_bf16 = int(act == torch.bfloat16)
         k_dtype, v_dtype = kv_caches[0][0].dtype, kv_caches[0][1].dtype
-        # a cache not int8 is bfloat16 or float32, keys and values alike
-        self.cache_bf16 = int(torch.bfloat16 in (k_dtype, v_dtype))
-        self.k_i8, self.v_i8 = int(k_dtype == torch.int8), int(v_dtype == torch.int8)
+        self.store_flags = store_flags(k_dtype, v_dtype)  # kvflow_rope_store's
         self.decode = kernels.paged_decode_entry(k_dtype, v_dtype)
         R, C, H, D, inter = MAX_ROWS, self.C, self.H, self.D, self.inter
         qkv_cols = (H + 2 * self.KVH) * D
@@ -320,7 +318,7 @@ class LayerStack:
             qkv = self._linear("h", qkv_w, "qkv", T, R, qkv_cols, C, held)
             lib.kvflow_rope_store(
                 qkv, b["q"], cos_p, sin_p, slots_p, w.k_cache, w.v_cache,
-                T, H, KVH, D, bs, act, self.cache_bf16, self.k_i8, self.v_i8, 0,
+                T, H, KVH, D, bs, act, *self.store_flags, 0,
             )  # fmt: skip
             failed = self.decode(
                 b["q"], w.k_cache, w.v_cache, tables_p, lens_p, b["o"], act,

@@ -160,12 +160,8 @@ class NativeKernels:
         """The library's decode attention for caches of these dtypes (keys', values'; by
         default the keys'): float32, bfloat16 or int8 alike, or bfloat16 keys over int8
         values, as `paged_decode` calls it."""
-        return {
-            (torch.float32, torch.float32): self.lib.kvflow_paged_decode_f32,
-            (torch.bfloat16, torch.bfloat16): self.lib.kvflow_paged_decode_bf16,
-            (torch.int8, torch.int8): self.lib.kvflow_paged_decode_i8,
-            (torch.bfloat16, torch.int8): self.lib.kvflow_paged_decode_bf16_i8,
-        }[k_dtype, v_dtype or k_dtype]
+        entry: Callable[..., int] = getattr(self.lib, DECODE_ENTRIES[k_dtype, v_dtype or k_dtype])
+        return entry
 
     def paged_decode(
         self,
@@ -370,9 +366,7 @@ class NativeKernels:
             D,
             BS,
             qkv.dtype == torch.bfloat16,
-            k_cache.dtype == torch.bfloat16,
-            k_cache.dtype == torch.int8,
-            v_cache.dtype == torch.int8,
+            *store_flags(k_cache.dtype, v_cache.dtype),
             kv_out,
         )
         if not kv_out:
@@ -550,23 +544,37 @@ def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_
     )
 
 
-# (keys', values') cache dtypes the C kernels read and write
-CACHE_PAIRS = (
-    (torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.int8, torch.int8),
-    (torch.bfloat16, torch.int8),
-)
+# The decode kernel's entry for each (keys', values') pair of cache dtypes: the pairs the C
+# kernels read and write.
+DECODE_ENTRIES = {
+    (torch.float32, torch.float32): "kvflow_paged_decode_f32",
+    (torch.bfloat16, torch.bfloat16): "kvflow_paged_decode_bf16",
+    (torch.int8, torch.int8): "kvflow_paged_decode_i8",
+    (torch.bfloat16, torch.int8): "kvflow_paged_decode_bf16_i8",
+}
+
+
+def cache_row(dtype: torch.dtype, D: int) -> int:
+    """Elements of one cached row of D values: D, or for int8 D bytes and the row's
+    float32 scale (`worker.model.attention.quantize_rows`)."""
+    return D + I8_SCALE_BYTES if dtype == torch.int8 else D
+
+
+def store_flags(k_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple[int, int, int]:
+    """kvflow_rope_store's cache flags for a pair of cache dtypes: whether the cache that
+    is not int8 is bfloat16 (keys and values alike there), keys int8, values int8."""
+    bf16 = torch.bfloat16 in (k_dtype, v_dtype)
+    return int(bf16), int(k_dtype == torch.int8), int(v_dtype == torch.int8)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
-    if (k_cache.dtype, v_cache.dtype) not in CACHE_PAIRS:
+    if (k_cache.dtype, v_cache.dtype) not in DECODE_ENTRIES:
         raise TypeError(
             f"the C kernel {verb} a float32, bfloat16 or int8 cache (or bfloat16 keys over "
             f"int8 values), not {k_cache.dtype} keys over {v_cache.dtype} values"
         )
     for cache in (k_cache, v_cache):
-        row = D + I8_SCALE_BYTES if cache.dtype == torch.int8 else D
+        row = cache_row(cache.dtype, D)
         _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
     # the kernels index both by the keys' blocks, heads and block size, in place
     _expect(
@@ -664,12 +672,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     except OSError as e:
         target.unlink(missing_ok=True)  # rebuilt next time rather than failing for ever
         return NativeLoad(None, f"the C kernels did not load ({e})")
-    for fn in (
-        lib.kvflow_paged_decode_f32,
-        lib.kvflow_paged_decode_bf16,
-        lib.kvflow_paged_decode_i8,
-        lib.kvflow_paged_decode_bf16_i8,
-    ):
+    for fn in (getattr(lib, name) for name in DECODE_ENTRIES.values()):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
     for fn in (lib.kvflow_prefill_attention_f32, lib.kvflow_prefill_attention_bf16):

@@ -165,6 +165,18 @@ store_i8(char *restrict dst, const float *restrict x, int D) {
     memcpy(dst + D, &sc, sizeof sc);
 }
 
+/* Row `row` of a cache: x [D] rounded into an int8 row (i8: D values and the scale) or
+ * stored as bfloat16 or float32 (cache_bf16). */
+static inline __attribute__((always_inline)) void
+store_row(void *cache, size_t row, const float *restrict x, int D, int i8, const int cache_bf16) {
+    if (i8) {
+        store_i8((char *)cache + row * ((size_t)D + sizeof(float)), x, D);
+        return;
+    }
+    char *c = (char *)cache + row * D * (cache_bf16 ? 2 : 4);
+    for (int d = 0; d < D; d++) store(c, d, x[d], cache_bf16);
+}
+
 /* heads [heads, D] of a row of either dtype -> dst [heads, D] float32, rotated:
  * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
 static inline __attribute__((always_inline)) void
@@ -188,7 +200,6 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
            void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, int k_i8,
            int v_i8, int kv_out, const int in_bf16, const int cache_bf16) {
     const int width = (H + 2 * KVH) * D;
-    const size_t i8_row = (size_t)D + sizeof(float); /* an int8 row: D values, its scale */
     float *q_out = out, *k_out = q_out + (size_t)T * H * D, *v_out = k_out + (size_t)T * KVH * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
@@ -205,19 +216,8 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
         const int64_t block = slots[t] / BS, off = slots[t] % BS;
         for (int h = 0; h < KVH; h++) {
             const size_t row = ((size_t)block * KVH + h) * BS + (size_t)off;
-            const size_t at = row * D * (cache_bf16 ? 2 : 4);
-            if (k_i8) {
-                store_i8((char *)k_cache + row * i8_row, k + h * D, D);
-            } else {
-                char *kc = (char *)k_cache + at;
-                for (int d = 0; d < D; d++) store(kc, d, k[h * D + d], cache_bf16);
-            }
-            if (v_i8) {
-                store_i8((char *)v_cache + row * i8_row, v + h * D, D);
-            } else {
-                char *vc = (char *)v_cache + at;
-                for (int d = 0; d < D; d++) store(vc, d, v[h * D + d], cache_bf16);
-            }
+            store_row(k_cache, row, k + h * D, D, k_i8, cache_bf16);
+            store_row(v_cache, row, v + h * D, D, v_i8, cache_bf16);
         }
     }
 }
