@@ -182,8 +182,9 @@ def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
     ops: NativeKernels, qkv_dtype: torch.dtype
 ) -> None:
     """An int8 cache takes each token's K and V rows as `quantize_rows` makes them from the
-    kernel's own float32 k and v: the same int8 values and float32 scale, byte for byte;
-    an all-zero row gets scale 0; nothing outside the tokens' slots is written."""
+    kernel's own float32 k and v (keys a scale per 16 values, values one per row): the
+    same int8 values and float32 scales, byte for byte; an all-zero row gets scale 0;
+    nothing outside the tokens' slots is written."""
     heads, kv_heads, dim, bs, num_blocks, tokens = 6, 2, 64, 16, 32, 40
     g = torch.Generator().manual_seed(17)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3
@@ -193,27 +194,30 @@ def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
     slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
     freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
     cos, sin = freqs.cos(), freqs.sin()
-    k_cache = torch.zeros(num_blocks, kv_heads, bs, dim + 4, dtype=torch.int8)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = torch.zeros(num_blocks, kv_heads, bs, dim + dim // 4, dtype=torch.int8)
+    v_cache = torch.zeros(num_blocks, kv_heads, bs, dim + 4, dtype=torch.int8)
 
     _, k_out, v_out = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads)
 
-    stored_k = k_cache[slots // bs, :, slots % bs]  # [T, KVH, D + 4]
-    stored_v = v_cache[slots // bs, :, slots % bs]
-    assert torch.equal(stored_k, quantize_rows(k_out))
+    stored_k = k_cache[slots // bs, :, slots % bs]  # [T, KVH, D + D / 4]
+    stored_v = v_cache[slots // bs, :, slots % bs]  # [T, KVH, D + 4]
+    assert torch.equal(stored_k, quantize_rows(k_out, 16))
     assert torch.equal(stored_v, quantize_rows(v_out))
     assert torch.equal(stored_v[3, 0], torch.zeros(dim + 4, dtype=torch.int8))
-    # dequantized, each row is within half a step (max / 254) of what was stored
-    err = (widen(stored_k, torch.float32) - k_out).abs().amax(-1)
-    assert bool((err <= k_out.abs().amax(-1) / 254 * 1.0001).all())
+    # dequantized, each value is within half a step (its group's max / 254) of k
+    err = (widen(stored_k, torch.float32, dim) - k_out).unflatten(-1, (dim // 16, 16)).abs()
+    amax = k_out.unflatten(-1, (dim // 16, 16)).abs().amax(-1, keepdim=True)
+    assert bool((err <= amax / 254 * 1.0001).all())
     written = torch.zeros(num_blocks * bs, dtype=torch.bool)
     written[slots] = True
     for cache in (k_cache, v_cache):
         untouched = cache.permute(0, 2, 1, 3).reshape(num_blocks * bs, -1)[~written]
         assert torch.count_nonzero(untouched) == 0
-    with pytest.raises(ValueError, match="cache rows of 68"):
+    with pytest.raises(ValueError, match="cache rows of 80"):
         narrow = torch.zeros(num_blocks, kv_heads, bs, dim, dtype=torch.int8)
         ops.rope_store(qkv, cos, sin, slots, narrow, narrow.clone(), heads)
+    with pytest.raises(ValueError, match="cache rows of 80"):  # keys in rows of one scale
+        ops.rope_store(qkv, cos, sin, slots, v_cache, v_cache.clone(), heads)
 
 
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
@@ -321,7 +325,10 @@ def test_layer_ops_path_equals_the_torch_path(
         )
         out += [step["a"], step["b"]]
         logits.append(out)
-        caches.append([widen(c[:15], torch.float32) for pair in runner.kv_caches for c in pair])
+        dim = runner.model.config.head_dim
+        caches.append(
+            [widen(c[:15], torch.float32, dim) for pair in runner.kv_caches for c in pair]
+        )
     exact = dtype == "float32" and kv == "float32"
     tol = {"atol": 1e-4, "rtol": 1e-4} if exact else {"atol": 2e-2, "rtol": 1e-2}
     for got, want in zip(*logits, strict=True):

@@ -15,11 +15,18 @@ from worker.model.attention import (
     InPlaceDecode,
     Workspace,
     decode_mask,
+    dequantize_rows,
     paged_attention,
     quantize_rows,
     widen,
 )
-from worker.model.native import MARCH_FLAGS, NativeKernels, load_native, vendor_defines
+from worker.model.native import (
+    MARCH_FLAGS,
+    NativeKernels,
+    i8_group,
+    load_native,
+    vendor_defines,
+)
 
 
 def _case(n: int, heads: int, kv_heads: int, dim: int, bs: int, seed: int):
@@ -169,11 +176,10 @@ def _kernel_equals_widened(kernels, q, k_cache, v_cache, tables, lens, bs, windo
     """The kernel over narrow caches (bfloat16, int8 rows or both) equals the float32 path
     on their widened values, and so does the torch gather path, which widens in torch.
     The kernel's remaining arguments, for the caller's refusals."""
-    want = _torch_path(
-        q, widen(k_cache, torch.float32), widen(v_cache, torch.float32), tables, lens, bs, window
-    )
-    got = torch.full_like(q, float("nan"))
     dim = q.shape[-1]
+    wide_k, wide_v = widen(k_cache, torch.float32, dim), widen(v_cache, torch.float32, dim)
+    want = _torch_path(q, wide_k, wide_v, tables, lens, bs, window)
+    got = torch.full_like(q, float("nan"))
     args = (tables.to(torch.int32), lens.to(torch.int32), got, dim**-0.5, window or 0)
     kernels.paged_decode(q, k_cache, v_cache, *args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -183,16 +189,45 @@ def _kernel_equals_widened(kernels, q, k_cache, v_cache, tables, lens, bs, windo
     return args
 
 
+def _int8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """The float32 caches as an int8 cache holds them: keys with a scale per 16 values
+    (per row where D is not a multiple of 16), values with one per row."""
+    dim = k_cache.shape[-1]
+    return quantize_rows(k_cache, i8_group(dim, keys=True)), quantize_rows(v_cache)
+
+
 def test_kernel_reads_an_int8_cache(kernels: NativeKernels) -> None:
-    """An int8 cache (rows of D values and their float32 scale): the kernel equals the
-    float32 path run on the dequantized values, scores and sums in float32."""
-    for bs, heads, kv_heads, dim, window in ((16, 9, 3, 64, None), (4, 8, 2, 32, 5)):
+    """An int8 cache (keys as rows of D values and a float32 scale per 16 of them, values
+    with one scale per row): the kernel equals the float32 path run on the dequantized
+    values, scores and sums in float32, and so does the torch gather path."""
+    shapes = ((16, 9, 3, 64, None, 64 + 16), (4, 8, 2, 32, 5, 32 + 8), (8, 4, 2, 24, None, 28))
+    for bs, heads, kv_heads, dim, window, key_row in shapes:
         q, k_cache, v_cache, tables, lens = _case(9, heads, kv_heads, dim, bs, seed=bs + dim)
-        k8, v8 = quantize_rows(k_cache), quantize_rows(v_cache)
-        assert k8.shape == (*k_cache.shape[:3], dim + 4) and k8.dtype == torch.int8
+        k8, v8 = _int8_caches(k_cache, v_cache)
+        assert k8.shape == (*k_cache.shape[:3], key_row) and k8.dtype == torch.int8
+        assert v8.shape == (*k_cache.shape[:3], dim + 4) and v8.dtype == torch.int8
         args = _kernel_equals_widened(kernels, q, k8, v8, tables, lens, bs, window)
-    with pytest.raises(ValueError, match="cache rows of 36"):
-        kernels.paged_decode(q, k8[..., :dim], v8[..., :dim], *args)
+    with pytest.raises(ValueError, match="cache rows of 28"):
+        kernels.paged_decode(q, k8[..., :dim], v8, *args)
+    with pytest.raises(ValueError, match="cache rows of 28"):  # values' rows as the keys'
+        kernels.paged_decode(q, k8, quantize_rows(v_cache, 8), *args)
+
+
+def test_int8_key_rows_keep_each_group_within_half_its_step() -> None:
+    """Keys rounded in groups of 16 values, each against its own largest value: a group of
+    small values beside a large one keeps its precision (one scale per row would round
+    them to a few steps), and every value is within half its group's step."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=gen)
+    x[:, :16] *= 100.0  # one loud group per row
+    rows = quantize_rows(x, 16)
+    assert rows.shape == (6, 64 + 16)
+    back = dequantize_rows(rows, torch.float32, 64)
+    step = x.unflatten(-1, (4, 16)).abs().amax(-1, keepdim=True) / 127  # [6, 4, 1]
+    err = (back - x).unflatten(-1, (4, 16)).abs()
+    assert (err <= step / 2 * (1 + 1e-6)).all()
+    whole = dequantize_rows(quantize_rows(x), torch.float32, 64)
+    assert (whole - x)[:, 16:].abs().amax() > 10 * err[:, 1:].amax()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -212,7 +247,7 @@ def test_kernel_reads_bfloat16_keys_over_int8_values(threads: int, kernels: Nati
     finally:
         torch.set_num_threads(before)
     with pytest.raises(TypeError, match=r"int8 keys over torch\.bfloat16 values"):
-        kernels.paged_decode(q, quantize_rows(k_cache), k16, *args)
+        kernels.paged_decode(q, _int8_caches(k_cache, v_cache)[0], k16, *args)
     with pytest.raises(ValueError, match=f"cache rows of {dim + 4}"):
         kernels.paged_decode(q, k16, v8[..., :dim].contiguous(), *args)
     # the kernel indexes both caches by the keys' blocks: fewer value blocks are refused
@@ -255,7 +290,7 @@ def test_kernel_writes_bfloat16_rows_rounded_as_torch_rounds(
     bs = 16
     q, k_cache, v_cache, tables, lens = _case(9, 9, 3, 64, bs, seed=21)
     if cache_dtype == torch.int8:
-        k_cache, v_cache = quantize_rows(k_cache), quantize_rows(v_cache)
+        k_cache, v_cache = _int8_caches(k_cache, v_cache)
     else:
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     args = (tables.to(torch.int32), lens.to(torch.int32))
@@ -332,7 +367,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
         for kv in ("auto", "float32", "bfloat16", "int8", "bfloat16-int8")
     }
     auto, wide, narrow = runners["auto"], runners["float32"], runners["bfloat16"]
-    # int8 rows: D values and a float32 scale, in the same bytes (smollm2's tiny D is 16)
+    # int8 rows: D values and their float32 scales (smollm2's tiny D is 16: one group of
+    # 16 keys, so keys and values alike D + 4 bytes), in the same bytes
     i8, dim = runners["int8"], wide.kv_caches[0][0].shape[-1]
     assert i8.kv_dtype == torch.int8 and i8.info.kv_cache_dtype == "int8 (set explicitly)"
     assert all(k.shape[-1] == v.shape[-1] == dim + 4 for k, v in i8.kv_caches)

@@ -205,7 +205,10 @@ class ModelRunner:
         self.prefill_in_place = prefill.dtype == "native"
         # prompt chunks attended by the C prompt kernel, each through its block table
         self.prefill_kernels = self.native if prefill.dtype == "flash" else None
-        rows = [cache_row(t, mcfg.head_dim) for t in self.cache_dtypes]
+        rows = [
+            cache_row(t, mcfg.head_dim, keys)
+            for t, keys in zip(self.cache_dtypes, (True, False), strict=True)
+        ]
         # bytes of K and V for one block across all layers
         block_bytes = (
             mcfg.num_layers

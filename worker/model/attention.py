@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from worker.model.native import I8_SCALE_BYTES, NativeKernels
+from worker.model.native import I8_SCALE_BYTES, NativeKernels, i8_group
 
 
 class Workspace:
@@ -149,37 +149,42 @@ class AttentionMetadata:
         self.own_kv = any(p.gather_index is None and p.block_table is None for p in self.prefills)
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D + 4] int8 cache rows: round(x * 127 / max|x|), then the row's
-    float32 scale max|x| / 127 as 4 bytes (the C store's format, worker.model.native).
-    One scale per token and KV head: a row's error is at most half its step, 1/254 of
-    its largest value."""
-    x = x.float()
-    amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """[..., D] -> [..., D + 4 * D / group] int8 cache rows: each `group` of a row's values
+    (default the whole row) as round(x * 127 / max|x|), then the groups' float32 scales
+    max|x| / 127 as 4 bytes each (the C store's format, worker.model.native). A value's
+    error is at most half its step, 1/254 of its group's largest value. The caches' groups
+    are `native.i8_group`'s: keys 16 values, values the whole row."""
+    D = x.shape[-1]
+    group = group or D
+    x = x.float().view(*x.shape[:-1], D // group, group)  # [..., groups, group]
+    amax = x.abs().amax(-1, keepdim=True)  # [..., groups, 1]
     # 127 / amax as one IEEE division (a scalar over a tensor is torch's reciprocal, then
     # a product: two roundings), as the C store computes it
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div_(amax), 0.0)
-    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
-    scale = (amax / 127.0).contiguous().view(torch.int8)  # [..., 4]
-    return torch.cat([q, scale], -1)
+    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8).flatten(-2)
+    scales = (amax / 127.0).flatten(-2).contiguous().view(torch.int8)  # [..., 4 * groups]
+    return torch.cat([q, scales], -1)
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D + 4] int8 cache rows -> [..., D] in `dtype`."""
-    D = rows.shape[-1] - I8_SCALE_BYTES
-    scale = rows[..., D:].contiguous().view(torch.float32)  # [..., 1]
-    return (rows[..., :D].float() * scale).to(dtype)
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype, D: int) -> torch.Tensor:
+    """[..., D + scales] int8 cache rows of D values (`quantize_rows`) -> [..., D] in
+    `dtype`."""
+    groups = (rows.shape[-1] - D) // I8_SCALE_BYTES
+    scale = rows[..., D:].contiguous().view(torch.float32).unsqueeze(-1)  # [..., groups, 1]
+    values = rows[..., :D].float().view(*rows.shape[:-1], groups, D // groups)
+    return (values * scale).flatten(-2).to(dtype)
 
 
-def widen(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows as `dtype` values: int8 rows dequantized, others cast."""
-    return dequantize_rows(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
+def widen(rows: torch.Tensor, dtype: torch.dtype, D: int) -> torch.Tensor:
+    """Cache rows of D values as `dtype` values: int8 rows dequantized, others cast."""
+    return dequantize_rows(rows, dtype, D) if rows.dtype == torch.int8 else rows.to(dtype)
 
 
 def store_kv(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: D + 4, see quantize_rows)
+    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: native.cache_row)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
@@ -188,10 +193,11 @@ def store_kv(
     # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
     # stream on CPU): values are rounded as they are stored, and widened where read; an
     # int8 cache (keys and values, or values alone) takes each row quantized with its scale.
+    D = k.shape[-1]
     if k_cache.dtype == torch.int8:
-        k = quantize_rows(k)
+        k = quantize_rows(k, i8_group(D, keys=True))
     if v_cache.dtype == torch.int8:
-        v = quantize_rows(v)
+        v = quantize_rows(v, i8_group(D, keys=False))
     k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
@@ -200,7 +206,7 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor | None,  # [T, KVH, D]; needed only by prompt chunks through SDPA
     v: torch.Tensor | None,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: D + 4, see quantize_rows)
+    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (int8: native.cache_row)
     v_cache: torch.Tensor,  # likewise (int8 behind a bfloat16 k_cache: "bfloat16-int8")
     meta: AttentionMetadata,
     scale: float,
@@ -214,7 +220,7 @@ def paged_attention(
     group = H // kvh
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    k_row, v_row = k_cache.shape[-1], v_cache.shape[-1]  # D, or D + 4 for int8 rows
+    k_row, v_row = k_cache.shape[-1], v_cache.shape[-1]  # D, or more for int8 rows
     # a head's rows of a block, one run: [num_blocks * KVH, block_size * row]
     k_runs = k_cache.view(-1, meta.block_size * k_row)
     v_runs = v_cache.view(-1, meta.block_size * v_row)
@@ -247,8 +253,8 @@ def paged_attention(
         n = g.end - g.start
         L = g.num_blocks * meta.block_size
         # contiguous per (sequence, KV head)
-        kg = widen(_gather(ws, "k", k_runs, g.gather_index).view(n * kvh, L, k_row), q.dtype)
-        vg = widen(_gather(ws, "v", v_runs, g.gather_index).view(n * kvh, L, v_row), q.dtype)
+        kg = widen(_gather(ws, "k", k_runs, g.gather_index).view(n * kvh, L, k_row), q.dtype, D)
+        vg = widen(_gather(ws, "v", v_runs, g.gather_index).view(n * kvh, L, v_row), q.dtype, D)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
         # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf. Half
         # precision q and K (CUDA) are widened first: their product rounded to bfloat16
@@ -281,7 +287,7 @@ def paged_attention(
             total = p.num_context + (p.end - p.start)
             kp = _gather(ws, "k", k_runs, p.gather_index).view(kvh, -1, k_row)[:, :total]
             vp = _gather(ws, "v", v_runs, p.gather_index).view(kvh, -1, v_row)[:, :total]
-            kp, vp = widen(kp, q.dtype), widen(vp, q.dtype)  # [KVH, total, D]
+            kp, vp = widen(kp, q.dtype, D), widen(vp, q.dtype, D)  # [KVH, total, D]
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]

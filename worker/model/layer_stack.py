@@ -187,7 +187,7 @@ class LayerStack:
         act = first.mlp.down_proj.weight.dtype
         self.act_bf16 = int(act == torch.bfloat16)
         k_dtype, v_dtype = kv_caches[0][0].dtype, kv_caches[0][1].dtype
-        self.store_flags = store_flags(k_dtype, v_dtype)  # kvflow_rope_store's
+        self.store_flags = store_flags(k_dtype, v_dtype, self.D)  # kvflow_rope_store's
         self.decode = kernels.paged_decode_entry(k_dtype, v_dtype)
         R, C, H, D, inter = MAX_ROWS, self.C, self.H, self.D, self.inter
         qkv_cols = (H + 2 * self.KVH) * D

@@ -58,9 +58,13 @@ MARCH_FLAGS = {
 LIBS = ("-lm",)  # libm with glibc's vector maths (the vectorised expf)
 MAX_GROUP = 64  # query heads per KV head the kernel's per-pair arrays hold
 KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads (q and out: float32)
-# int8 caches hold rows of D values and then their float32 scale: [NB, KVH, BS, D + 4]
-# bytes (worker.model.attention.quantize_rows)
+# int8 caches hold rows of D values and then their float32 scales
+# (worker.model.attention.quantize_rows): keys one scale per I8_KEY_GROUP values
+# ([NB, KVH, BS, D + D / 4] bytes; one per row where D is not a multiple of it), values
+# one per row ([.., D + 4]). Keys rounded per row cost next-token agreement, values do not
+# (worker.hardware.choose_kv_dtype).
 I8_SCALE_BYTES = 4
+I8_KEY_GROUP = 16
 # kernels/prefill_attention.c: the shapes its tiles hold (query heads per KV head, head
 # dim a multiple of 8 up to 128, blocks that divide its chunks of 64 keys)
 PREFILL_MAX_GROUP = 8
@@ -166,7 +170,7 @@ class NativeKernels:
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 (cache_row)
         v_cache: torch.Tensor,  # like k_cache, or int8 behind a bfloat16 k_cache
         block_tables: torch.Tensor,  # [n, max_blocks] int32
         context_lens: torch.Tensor,  # [n] int32
@@ -334,7 +338,7 @@ class NativeKernels:
         cos: torch.Tensor,  # [T, D/2] float32, contiguous
         sin: torch.Tensor,
         slots: torch.Tensor,  # [T] int64 cache slots, each < NB * BS (the caller's word)
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 [.., D + 4]
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 (cache_row)
         v_cache: torch.Tensor,  # like k_cache, or int8 behind a bfloat16 k_cache
         num_heads: int,
         kv_out: bool = True,
@@ -346,7 +350,7 @@ class NativeKernels:
         _check_rows(cos, sin, float32_only=True)
         _, KVH, BS, _ = k_cache.shape
         T, H = cos.shape[0], num_heads
-        D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and a scale)
+        D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and scales)
         _expect(qkv.shape[0] >= T and qkv.shape[1] == (H + 2 * KVH) * D, "qkv rows", qkv)
         _check_cache(k_cache, v_cache, D, "writes")
         _expect(cos.shape == (T, D // 2) and sin.shape == cos.shape, f"[{T}, {D // 2}]", sin)
@@ -366,7 +370,7 @@ class NativeKernels:
             D,
             BS,
             qkv.dtype == torch.bfloat16,
-            *store_flags(k_cache.dtype, v_cache.dtype),
+            *store_flags(k_cache.dtype, v_cache.dtype, D),
             kv_out,
         )
         if not kv_out:
@@ -554,17 +558,28 @@ DECODE_ENTRIES = {
 }
 
 
-def cache_row(dtype: torch.dtype, D: int) -> int:
-    """Elements of one cached row of D values: D, or for int8 D bytes and the row's
-    float32 scale (`worker.model.attention.quantize_rows`)."""
-    return D + I8_SCALE_BYTES if dtype == torch.int8 else D
+def i8_group(D: int, keys: bool) -> int:
+    """Values per float32 scale in an int8 cache's row of D values: I8_KEY_GROUP for keys
+    (where D is a multiple of it), the whole row for values."""
+    return I8_KEY_GROUP if keys and D % I8_KEY_GROUP == 0 else D
 
 
-def store_flags(k_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple[int, int, int]:
+def cache_row(dtype: torch.dtype, D: int, keys: bool) -> int:
+    """Elements of one cached row of D values (the keys' cache or the values'): D, or for
+    int8 D bytes and their float32 scales (`worker.model.attention.quantize_rows`)."""
+    if dtype != torch.int8:
+        return D
+    return D + I8_SCALE_BYTES * (D // i8_group(D, keys))
+
+
+def store_flags(k_dtype: torch.dtype, v_dtype: torch.dtype, D: int) -> tuple[int, int, int]:
     """kvflow_rope_store's cache flags for a pair of cache dtypes: whether the cache that
-    is not int8 is bfloat16 (keys and values alike there), keys int8, values int8."""
+    is not int8 is bfloat16 (keys and values alike there), and for the keys and for the
+    values the values per int8 scale (0 where not int8)."""
     bf16 = torch.bfloat16 in (k_dtype, v_dtype)
-    return int(bf16), int(k_dtype == torch.int8), int(v_dtype == torch.int8)
+    k_i8 = i8_group(D, keys=True) if k_dtype == torch.int8 else 0
+    v_i8 = i8_group(D, keys=False) if v_dtype == torch.int8 else 0
+    return int(bf16), k_i8, v_i8
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
@@ -573,8 +588,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str
             f"the C kernel {verb} a float32, bfloat16 or int8 cache (or bfloat16 keys over "
             f"int8 values), not {k_cache.dtype} keys over {v_cache.dtype} values"
         )
-    for cache in (k_cache, v_cache):
-        row = cache_row(cache.dtype, D)
+    for cache, keys in ((k_cache, True), (v_cache, False)):
+        row = cache_row(cache.dtype, D, keys)
         _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
     # the kernels index both by the keys' blocks, heads and block size, in place
     _expect(

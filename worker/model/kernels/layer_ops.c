@@ -24,9 +24,9 @@
  *   all attend through the kernel reads K and V from the cache alone)
  *   cos, sin [T, D / 2] float32 (the token's position's angles)
  *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D], or as an
- *   int8 cache (k_i8, v_i8: either or both) [NB, KVH, BS, D + 4] bytes: each row's D
- *   values rounded to int8 against the row's absolute maximum, then its float32 scale
- *   (maximum / 127)
+ *   int8 cache (k_i8, v_i8: either or both, each the values per scale, 0 where not int8)
+ *   [NB, KVH, BS, D + 4 * D / group] bytes: each group of a row's D values rounded to int8
+ *   against the group's absolute maximum, then the groups' float32 scales (maximum / 127)
  * The `*_bf16` flags say which of the rows are bfloat16 (else float32); bfloat16 results
  * are rounded to nearest even, as torch rounds.
  *
@@ -131,46 +131,59 @@ void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in
            (size_t)(R - T) * row_bytes(I, out_bf16));
 }
 
-/* One row of D values into an int8 cache row [D + 4]: q = round(x * 127 / max |x|), then
- * the scale max |x| / 127 (0 for a zero row). Plain IEEE arithmetic here, not the
- * library's -ffast-math (which divides by 127 as a multiplication by its rounded
- * reciprocal): the rows are torch's `quantize_rows`, byte for byte. */
-__attribute__((optimize("no-fast-math"), noinline)) static void
-store_i8(char *restrict dst, const float *restrict x, int D) {
+/* n values x into int8 q [n]: q = round(x * 127 / max |x|), and the scale max |x| / 127
+ * (0 for zeros) into *scale. Plain IEEE arithmetic here, not the library's -ffast-math
+ * (which divides by 127 as a multiplication by its rounded reciprocal): the rows are
+ * torch's `quantize_rows`, byte for byte. */
+__attribute__((optimize("no-fast-math"))) static inline void
+store_i8(int8_t *restrict q, char *restrict scale, const float *restrict x, const int n) {
     float amax = 0.0f;
     int d = 0;
 #if defined(__AVX512F__)
-    /* 16 values at a time where D allows, the same arithmetic: a maximum is exact in any
+    /* 16 values at a time where n allows, the same arithmetic: a maximum is exact in any
      * order (|x| first: a NaN is passed over, as fmaxf does), x * inv one IEEE product,
      * the clamps as fmaxf / fminf (a NaN product becomes -127), and the conversion rounds
      * to nearest even as lrintf does. A bfloat16-int8 cache stores every value row so:
      * the scalar loops took ~1 ms of a batch-64 decode step (Intel Xeon with AMX). */
     __m512 m16 = _mm512_setzero_ps();
-    for (; D % 16 == 0 && d < D; d += 16)
+    for (; n % 16 == 0 && d < n; d += 16)
         m16 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + d)), m16);
     amax = _mm512_reduce_max_ps(m16);
 #endif
-    for (; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
+    for (; d < n; d++) amax = fmaxf(amax, fabsf(x[d]));
     const float sc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t *q = (int8_t *)dst;
     d = 0;
 #if defined(__AVX512F__)
-    for (; D % 16 == 0 && d < D; d += 16) {
+    for (; n % 16 == 0 && d < n; d += 16) {
         __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_set1_ps(inv));
         t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
         _mm_storeu_si128((__m128i *)(q + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
     }
 #endif
-    for (; d < D; d++) q[d] = (int8_t)lrintf(fminf(fmaxf(x[d] * inv, -127.0f), 127.0f));
-    memcpy(dst + D, &sc, sizeof sc);
+    for (; d < n; d++) q[d] = (int8_t)lrintf(fminf(fmaxf(x[d] * inv, -127.0f), 127.0f));
+    memcpy(scale, &sc, sizeof sc);
 }
 
-/* Row `row` of a cache: x [D] rounded into an int8 row (i8: D values and the scale) or
- * stored as bfloat16 or float32 (cache_bf16). */
+/* x [D] rounded into an int8 row dst: the D values, `group` at a time, then a float32
+ * scale per group. */
+__attribute__((optimize("no-fast-math"), noinline)) static void
+store_i8_row(char *restrict dst, const float *restrict x, int D, int group) {
+    if (group == 16) { /* keys: a literal width, so each group is one vector */
+        for (int g = 0; g < D / 16; g++)
+            store_i8((int8_t *)dst + 16 * g, dst + D + sizeof(float) * g, x + 16 * g, 16);
+        return;
+    }
+    for (int g = 0; g < D / group; g++)
+        store_i8((int8_t *)dst + group * g, dst + D + sizeof(float) * g, x + group * g, group);
+}
+
+/* Row `row` of a cache: x [D] rounded into an int8 row of groups of `i8` values or, with
+ * i8 0, stored as bfloat16 or float32 (cache_bf16). */
 static inline __attribute__((always_inline)) void
 store_row(void *cache, size_t row, const float *restrict x, int D, int i8, const int cache_bf16) {
     if (i8) {
-        store_i8((char *)cache + row * ((size_t)D + sizeof(float)), x, D);
+        const size_t bytes = (size_t)D + sizeof(float) * (size_t)(D / i8);
+        store_i8_row((char *)cache + row * bytes, x, D, i8);
         return;
     }
     char *c = (char *)cache + row * D * (cache_bf16 ? 2 : 4);

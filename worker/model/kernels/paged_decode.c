@@ -21,9 +21,10 @@
  * chunk's own K/V are stored before the kernel runs).
  * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
  * a float32): scores, softmax and sums stay float32. An int8 cache
- * (kvflow_paged_decode_i8) holds rows of D + 4 bytes, D values and then the row's float32
- * scale (value = scale * q): k_cache / v_cache [NB, KVH, BS, D + 4] int8, dequantized as
- * they are read. The two caches may also differ: bfloat16 keys over int8 values
+ * (kvflow_paged_decode_i8) holds rows of D int8 values and then their float32 scales
+ * (value = scale * q): the keys one scale per 16 values (k_cache [NB, KVH, BS, D + D / 4]
+ * int8; D + 4 where D is not a multiple of 16), the values one per row (v_cache
+ * [.., D + 4]), dequantized as they are read. The two caches may also differ: bfloat16 keys over int8 values
  * (kvflow_paged_decode_bf16_i8, k_cache [NB, KVH, BS, D], v_cache [.., D + 4]), each
  * read as its kind, its rows of its own size. Where the CPU has avx512_bf16 and is not an Intel core with AMX or
  * AVX-512 FP16 (and D is a multiple of 32), the keys are not widened: the scores take q, cut into two bfloat16 halves, against the
@@ -82,14 +83,26 @@
 #define MAX_VECTOR_ACC 24 /* value accumulators kept in registers (of 32 AVX-512 ones) */
 
 /* What a cache holds (a literal wherever the kernel is inlined): float32, bfloat16, or
- * int8 rows of D values followed by their float32 scale. */
+ * int8 rows of D values followed by their float32 scales: one for the whole row (KV_I8,
+ * values), or one per I8_KEY_GROUP values (KV_I8G, keys; one per row where D is not a
+ * multiple of it). Keys rounded per row cost next-token agreement, values do not: see
+ * worker.hardware.choose_kv_dtype. */
 #define KV_F32 0
 #define KV_BF16 1
 #define KV_I8 2
+#define KV_I8G 3
+#define I8_KEY_GROUP 16
+
+/* Values per scale in an int8 row of D values. */
+static inline __attribute__((always_inline)) int i8_group(const int kind, const int D) {
+    return kind == KV_I8G && D % I8_KEY_GROUP == 0 ? I8_KEY_GROUP : D;
+}
 
 /* Bytes of one cached row of D values. */
 static inline __attribute__((always_inline)) size_t row_bytes(const int kind, const int D) {
-    return kind == KV_I8 ? (size_t)D + sizeof(float) : (size_t)D * (kind == KV_BF16 ? 2 : 4);
+    if (kind == KV_I8 || kind == KV_I8G)
+        return (size_t)D + sizeof(float) * (size_t)(D / i8_group(kind, D));
+    return (size_t)D * (kind == KV_BF16 ? 2 : 4);
 }
 
 /* Bytes from .. to of `next` (NULL: none) asked into L2, a line at a time. */
@@ -121,17 +134,32 @@ as_f32(const char *restrict run, int rows, const int D, float *restrict wide, co
         ask_lines(next, 0, (size_t)rows * next_row);
         return (const float *)run;
     }
-    if (kind == KV_I8) { /* [rows, D + 4] -> [rows, D] float32, each row times its scale */
-        const size_t i8_row = row_bytes(KV_I8, D);
+    if (kind == KV_I8 || kind == KV_I8G) { /* [rows, row_bytes] -> [rows, D] float32 */
+        const size_t i8_row = row_bytes(kind, D);
+        const int gs = i8_group(kind, D); /* each group of gs values times its scale */
         for (int j = 0; j < rows; j++) {
             const char *row = run + (size_t)j * i8_row;
             ask_lines(next, (size_t)j * next_row, (size_t)(j + 1) * next_row);
-            float sc;
-            memcpy(&sc, row + D, sizeof sc);
             const int8_t *src = (const int8_t *)row;
             float *dst = wide + (size_t)j * D;
+#if defined(__AVX512F__)
+            if (gs == 16) { /* a group is one vector (the compiler's own took 128-bit steps) */
+                for (int c = 0; c < D / 16; c++) {
+                    float sc;
+                    memcpy(&sc, row + D + sizeof(float) * (size_t)c, sizeof sc);
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(src + 16 * c));
+                    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                    _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(x, _mm512_set1_ps(sc)));
+                }
+                continue;
+            }
+#endif
+            for (int g0 = 0; g0 < D; g0 += gs) {
+                float sc;
+                memcpy(&sc, row + D + sizeof(float) * (size_t)(g0 / gs), sizeof sc);
 #pragma omp simd
-            for (int d = 0; d < D; d++) dst[d] = sc * (float)src[d];
+                for (int d = g0; d < g0 + gs; d++) dst[d] = sc * (float)src[d];
+            }
         }
         return wide;
     }
@@ -809,7 +837,7 @@ int kvflow_paged_decode_i8(const float *q, const void *k_cache, const void *v_ca
                            int out_bf16, int n, int H, int KVH, int D, int BS, int max_blocks,
                            float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
-                        KVH, D, BS, max_blocks, scale, window, KV_I8, KV_I8);
+                        KVH, D, BS, max_blocks, scale, window, KV_I8G, KV_I8);
 }
 
 /* Keys bfloat16, values int8 rows with their scale: the values' bytes nearly halved
