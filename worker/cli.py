@@ -127,8 +127,8 @@ def engine_options(fn: F) -> F:
             "layers where the C decode kernel runs (bfloat16-int8 behind bfloat16 layers on a "
             "CPU with AMX, unless prompts are attended from the cache), else float32; "
             "bfloat16 holds twice float32's blocks in the same "
-            "memory, int8 (one scale per token and head) 3.8x, bfloat16-int8 (bfloat16 keys, "
-            "int8 values) 2.6x.",
+            "memory, int8 (keys a scale per 16 values, values one per row) 3.5x, "
+            "bfloat16-int8 (bfloat16 keys, int8 values) 2.6x.",
         ),
         click.option(
             "--tune-batch/--no-tune-batch",

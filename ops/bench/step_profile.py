@@ -1,6 +1,7 @@
 """Where a decode step's time goes, and what the linear layers alone allow.
 
     python ops/bench/step_profile.py                 # batch 16, 32, 64; dtype auto
+    python ops/bench/step_profile.py --batches 64 --context 512  # longer contexts
     python ops/bench/step_profile.py --compare-layer-ops   # C layer ops vs torch ops
     python ops/bench/step_profile.py --compare-linear      # packed weights vs plain matmul
     python ops/bench/step_profile.py --linear int16 --compare-int16  # int16 vs float32
@@ -175,17 +176,30 @@ def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
         raise ValueError(
             f"batch {batch} exceeds the engine's max_num_seqs {engine.config.max_num_seqs}"
         )
+    # The first prompts decode while the last are prefilled (a step's token budget at a
+    # time): each must outlast the fill, else the batch is never whole. And every
+    # sequence's blocks at once, to its last token.
+    fill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
+    max_tokens = steps + fill_steps + 8
+    bs = engine.runner.block_size
+    need = batch * -(-(context + max_tokens) // bs)
+    if need > engine.info.num_blocks:
+        raise ValueError(
+            f"{batch} sequences of {context} tokens need {need} KV blocks; the cache holds "
+            f"{engine.info.num_blocks} (raise kv_cache_bytes or lower --context)"
+        )
     g = torch.Generator().manual_seed(batch)
     vocab = engine.info.vocab_size
     for i in range(batch):
         prompt = torch.randint(100, vocab, (context,), generator=g).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(f"p{batch}-{i}", prompt, params)
-    while True:
+    while engine.scheduler.requests:
         engine.step()
         s = engine.last_stats
         if s is not None and s.num_prefill_tokens == 0 and s.batch_size == batch:
             return
+    raise RuntimeError(f"the engine never ran {batch} sequences of {context} tokens at once")
 
 
 def profile_decode(
@@ -453,13 +467,15 @@ def run(
     batches: tuple[int, ...],
     progress: Callable[[str], None] | None = None,
     torch_profiler: bool = False,
+    context: int = 256,
 ) -> list[StepProfile]:
-    """A decode step's profile, with the linear-layer limit, for each batch size."""
+    """A decode step's profile, with the linear-layer limit, for each batch size, its
+    sequences of about `context` cached tokens."""
     out = []
     for b in batches:
         if progress is not None:
-            progress(f"profiling decode at batch {b}")
-        out.append(profile_decode(engine, b, torch_profiler=torch_profiler))
+            progress(f"profiling decode at batch {b}, contexts of {context}")
+        out.append(profile_decode(engine, b, context, torch_profiler=torch_profiler))
     return out
 
 
@@ -897,6 +913,9 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="16,32,64")
+    ap.add_argument(
+        "--context", type=int, default=256, help="cached tokens per sequence in decode steps"
+    )
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
     ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
@@ -1010,7 +1029,9 @@ def main() -> None:
         if getattr(args, flag):
             print(compare(engine, batches))
             return
-    rows = run(engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler)
+    rows = run(
+        engine, batches, lambda m: print(m, file=sys.stderr), args.torch_profiler, args.context
+    )
     print(table(rows, limit_label(engine)))
 
 

@@ -65,8 +65,8 @@ MIN_DECODE_GROUP = 8
 def cache_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
     """The keys' and the values' cache dtypes of a KV cache dtype's name
     (`worker.hardware.choose_kv_dtype`): a torch dtype's for both, "int8" (rows of D
-    values and their float32 scale) for both, or "bfloat16-int8", bfloat16 keys over int8
-    values."""
+    values and their float32 scales, `native.cache_row`) for both, or "bfloat16-int8",
+    bfloat16 keys over int8 values."""
     if name == "bfloat16-int8":
         return torch.bfloat16, torch.int8
     dtype = torch.int8 if name == "int8" else DTYPES[name]
@@ -182,8 +182,8 @@ class ModelRunner:
             read_cpu_flags(),
             prompts_read_cache=config.prefill_attention in ("flash", "native"),
         )
-        # the keys' cache and the values' (int8 rows hold D values and their float32 scale:
-        # quantize_rows); "bfloat16-int8" is bfloat16 keys over int8 values
+        # the keys' cache and the values' (int8 rows hold D values and their float32
+        # scales: quantize_rows); "bfloat16-int8" is bfloat16 keys over int8 values
         self.kv_dtype, self.v_dtype = cache_dtypes(kv.dtype)
         prefill = choose_prefill_attention(
             config.prefill_attention,
