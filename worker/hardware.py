@@ -219,24 +219,31 @@ def choose_kv_dtype(
     by step); greedy agreement through decode 1022 of 1024 with either cache, and twice
     the blocks.
 
-    "int8" (explicit only) stores each token's K and V rows per KV head as int8 with one
-    float32 scale (worker.model.attention.quantize_rows): 68 bytes a row of 64 against
-    bfloat16's 128, 1.88x the blocks in the same memory. Measured on an Intel Xeon with
-    AMX, 64 sequences: batch-64 decode steps 0.95x bfloat16's time at contexts of 256,
-    0.86x at 1,024 (both caches alternating in one process); but next-token agreement
-    with float32 through decode is 1007 of 1024 (bfloat16 cache: 1016), under the 99%
-    bar, so `auto` does not take it.
+    "bfloat16-int8" keeps the keys in bfloat16 and rounds the values alone to int8 rows,
+    each with its float32 scale (worker.model.attention.quantize_rows): 196 bytes a head
+    and token against 256 (1.31x the blocks). The keys are what int8 costs agreement: rows
+    of a bfloat16 cache rounded through int8 after each step, 32 prompts x 64 positions,
+    gave 2017 of 2048 with the keys rounded, 2034 with the values (bfloat16 2032); this
+    cache itself 2030. Behind bfloat16 layers on a CPU with AMX its batch-64 decode steps
+    (contexts of 256) took 0.86x / 0.94x bfloat16's time, attention 17.0 against 20.3-20.7
+    ms (Intel Xeon with AMX, two alternating runs of `ops/bench/step_profile.py --batches
+    16,64 --kv-cache-dtype`): decode attention reads the cache at about the memory's pace
+    there, so fewer bytes are less time.
 
-    "bfloat16-int8" keeps the keys in bfloat16 and rounds the values alone to int8 rows:
-    196 bytes a head and token against 256 (1.31x the blocks). The keys are what int8 costs
-    agreement (rows rounded through int8 after each step, 32 prompts x 64 positions: keys
-    alone 2017 of 2048, values alone 2034, bfloat16 2032; the cache itself 2030), and
-    decode attention reads the cache at the memory's pace, so fewer bytes are less time.
-    `auto` takes it behind bfloat16 linear layers on a CPU with AMX, where prompts are
-    attended by bfloat16 SDPA on their exact K/V, and decode attention reads the cache in
-    place: batch-64 decode steps (contexts of 256) took 0.86x / 0.94x bfloat16's time,
-    attention 17.0 against 20.3-20.7 ms, batch-16 steps 0.95x / 0.98x (Intel Xeon with AMX,
-    two alternating runs of `ops/bench/step_profile.py --batches 16,64 --kv-cache-dtype`).
+    "int8" rounds the values so too and the keys by groups of 16 values, each group with
+    its own scale (a key's few large channels no longer flatten the rest of its row): 148
+    bytes a head and token (1.73x bfloat16's blocks). Simulated as above, groups of 64
+    values (one per row) gave 2016 of 2048, 32 2025, 16 2032, 8 2032; the cache itself
+    2029, over the 99% bar (with one scale per key row it had been 2012). `auto` takes it
+    behind bfloat16 linear layers on a CPU with AMX, where prompts are attended by bfloat16
+    SDPA on their exact K/V, and decode attention reads the cache in place: against
+    bfloat16 keys batch-64 decode steps took 0.93x / 1.00x the time at contexts of 256
+    (attention 16.7-16.8 against 18.6-19.4 ms), 0.89x / 0.98x at 512, 0.95x / 0.98x at
+    1,024 (attention 0.90-0.94x), batch-16 steps 0.93x-0.99x; the long-tail workload ran
+    the same (medians of four alternating runs, 508.6 against 513.5 output tok/s: its
+    decode steps of 33+ sequences are a fifth of its time). The kernel reads its keys at
+    less than the memory's pace (dequantizing 16 values takes a conversion and a product
+    where a bfloat16 run takes a shift), so the bytes saved are not all time saved.
     Not where prompts are asked to be attended from the cache (`prompts_read_cache`:
     prefill attention "flash", whose C prompt kernel reads float32 or bfloat16 caches only,
     or "native", which would hand prompt rows the rounded values: unmeasured), and not on
@@ -255,9 +262,9 @@ def choose_kv_dtype(
     amx = linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags
     if amx and in_place_decode and not prompts_read_cache:
         return DtypeChoice(
-            "bfloat16-int8",
-            "auto: bfloat16 linear layers, AMX and in-place decode attention; values as "
-            "int8, keys as bfloat16",
+            "int8",
+            "auto: bfloat16 linear layers, AMX and in-place decode attention; keys as int8 "
+            "by groups of 16 values, values as int8 rows",
         )
     if linear_dtype in ("bfloat16", "int16") and in_place_decode:
         return DtypeChoice(

@@ -165,17 +165,21 @@ def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> 
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8"])
+# Qwen3's head dim 32 holds two of an int8 cache's key groups (the others' 16, one).
+@pytest.mark.parametrize(
+    ("variant", "kv_cache_dtype"),
+    [("smollm2", "float32"), ("smollm2", "bfloat16"), ("smollm2", "int8"), ("qwen3", "int8")],
+)
 @pytest.mark.parametrize("attention", ["native", "torch"])
 def test_bfloat16_decode_close_to_reference(
-    attention: str, kv_cache_dtype: str, tiny_model_dir
+    attention: str, variant: str, kv_cache_dtype: str, tiny_model_dir
 ) -> None:
     """bf16 linear layers' decode rows, through either attention path and either cache
     dtype (a bf16 cache is widened to float32 where it is read, an int8 one dequantized),
     stay as close to transformers' bf16 model as its prefill does."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir("smollm2")
+    path = tiny_model_dir(variant)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     cfg = EngineConfig(
         model=str(path),
@@ -188,6 +192,9 @@ def test_bfloat16_decode_close_to_reference(
     runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
     assert runner.info.attention.startswith(attention)
     assert runner.kv_dtype == getattr(torch, kv_cache_dtype)
+    dim = runner.model.config.head_dim  # int8 keys: a float32 scale per 16 values
+    key_row = dim + dim // 4 if kv_cache_dtype == "int8" else dim
+    assert runner.kv_caches[0][0].shape[-1] == key_row
     toks = torch.randint(0, 49152, (28,), generator=torch.Generator().manual_seed(5)).tolist()
     want = _ref_logits(ref, toks)
     blocks = list(range(7))
