@@ -48,3 +48,27 @@ def test_a_step_reads_its_weights_once_and_every_cached_row(
     prof.bytes_read, prof.read_gb_s = 2e9, 100.0
     assert prof.memory_ms == pytest.approx(20.0)
     assert "| 2000 | 20.0 | 40% |" in step_profile.table([prof], "float32")
+
+
+def test_the_decode_fill_outlasts_a_long_prefill_and_refuses_what_cannot_fit(
+    tiny_model_dir,
+) -> None:
+    """The step profile's fill: 8 prompts of 64 tokens at 32 prompt tokens a step take 16
+    steps to prefill, longer than the profile's own steps; the first sequences are still
+    running when the last is prefilled, so the batch is whole, decoding. A batch the cache
+    cannot hold at once is refused with the blocks it needs."""
+    cfg = EngineConfig(
+        model=str(tiny_model_dir("smollm2")),
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        num_kv_blocks=64,
+        tune_batch=False,
+    )
+    engine = LLMEngine(cfg)
+    step_profile._fill(engine, 8, 64, 2)
+    stats = engine.last_stats
+    assert stats is not None and stats.batch_size == 8 and stats.num_prefill_tokens == 0
+    engine.abort(list(engine.scheduler.requests))
+    with pytest.raises(ValueError, match=r"need \d+ KV blocks; the cache holds 64"):
+        step_profile._fill(engine, 8, 256, 2)
