@@ -194,6 +194,7 @@ def choose_kv_dtype(
     in_place_decode: bool = False,
     cpu_flags: frozenset[str] = frozenset(),
     prompts_read_cache: bool = False,
+    int8_key_groups: bool = True,
 ) -> DtypeChoice:
     """The KV cache's dtype. On CUDA the model's. On CPU a bfloat16 cache holds half the
     bytes per block, so twice the blocks in the same memory, each value rounded as it is
@@ -232,18 +233,21 @@ def choose_kv_dtype(
 
     "int8" rounds the values so too and the keys by groups of 16 values, each group with
     its own scale (a key's few large channels no longer flatten the rest of its row): 148
-    bytes a head and token (1.73x bfloat16's blocks). Simulated as above, groups of 64
-    values (one per row) gave 2016 of 2048, 32 2025, 16 2032, 8 2032; the cache itself
-    2029, over the 99% bar (with one scale per key row it had been 2012). `auto` takes it
-    behind bfloat16 linear layers on a CPU with AMX, where prompts are attended by bfloat16
-    SDPA on their exact K/V, and decode attention reads the cache in place: against
-    bfloat16 keys batch-64 decode steps took 0.93x / 1.00x the time at contexts of 256
-    (attention 16.7-16.8 against 18.6-19.4 ms), 0.89x / 0.98x at 512, 0.95x / 0.98x at
-    1,024 (attention 0.90-0.94x), batch-16 steps 0.93x-0.99x; the long-tail workload ran
-    the same (medians of four alternating runs, 508.6 against 513.5 output tok/s: its
-    decode steps of 33+ sequences are a fifth of its time). The kernel reads its keys at
-    less than the memory's pace (dequantizing 16 values takes a conversion and a product
-    where a bfloat16 run takes a shift), so the bytes saved are not all time saved.
+    bytes a head and token (1.73x bfloat16's blocks). Simulated as above over int8 values,
+    keys by groups of 64 (a row) gave 2016 of 2048, of 32 2025, of 16 2032, of 8 2032;
+    the cache itself 2029, over the 99% bar (with one scale per key row it had been 2012).
+    `auto` takes it behind bfloat16 linear layers on a CPU with AMX, where prompts are
+    attended by bfloat16 SDPA on their exact K/V, and decode attention reads the cache in
+    place: against bfloat16 keys batch-64 decode steps took 0.93x / 1.00x the time at
+    contexts of 256 (attention 16.7-16.8 against 18.6-19.4 ms), 0.89x / 0.98x at 512,
+    0.95x / 0.98x at 1,024 (attention 0.86-0.95x), batch-16 steps 0.93x-0.99x; the
+    long-tail workload ran the same (medians of four alternating runs, 508.6 output tok/s
+    with int8, 513.5 with bfloat16 keys: its decode steps of 33+ sequences are a fifth of
+    its time). The kernel reads its keys at less than the memory's pace (dequantizing 16
+    values takes a conversion and a product where a bfloat16 run takes a shift), so the
+    bytes saved are not all time saved.
+    Where the head size is not a multiple of 16 (`int8_key_groups` False) an int8 key row
+    keeps one scale, what had missed the bar: there auto takes "bfloat16-int8".
     Not where prompts are asked to be attended from the cache (`prompts_read_cache`:
     prefill attention "flash", whose C prompt kernel reads float32 or bfloat16 caches only,
     or "native", which would hand prompt rows the rounded values: unmeasured), and not on
@@ -260,6 +264,12 @@ def choose_kv_dtype(
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
     amx = linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags
+    if amx and in_place_decode and not prompts_read_cache and not int8_key_groups:
+        return DtypeChoice(
+            "bfloat16-int8",
+            "auto: bfloat16 linear layers, AMX and in-place decode attention; values as "
+            "int8, keys as bfloat16 (a head size int8 keys cannot group by 16)",
+        )
     if amx and in_place_decode and not prompts_read_cache:
         return DtypeChoice(
             "int8",

@@ -176,17 +176,18 @@ def _fill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
         raise ValueError(
             f"batch {batch} exceeds the engine's max_num_seqs {engine.config.max_num_seqs}"
         )
-    # The first prompts decode while the last are prefilled (a step's token budget at a
-    # time): each must outlast the fill, else the batch is never whole. And every
-    # sequence's blocks at once, to its last token.
-    fill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
+    # The first prompts decode while the last are prefilled (a step's token budget, less a
+    # token for each running sequence, at a time): each must outlast the fill, else the
+    # batch is never whole. And every sequence's blocks at once, to its last token.
+    budget = max(1, engine.config.max_num_batched_tokens - batch)
+    fill_steps = -(-batch * context // budget) + 1
     max_tokens = steps + fill_steps + 8
     bs = engine.runner.block_size
     need = batch * -(-(context + max_tokens) // bs)
     if need > engine.info.num_blocks:
         raise ValueError(
             f"{batch} sequences of {context} tokens need {need} KV blocks; the cache holds "
-            f"{engine.info.num_blocks} (raise kv_cache_bytes or lower --context)"
+            f"{engine.info.num_blocks} (lower --batches or --context)"
         )
     g = torch.Generator().manual_seed(batch)
     vocab = engine.info.vocab_size

@@ -189,6 +189,10 @@ def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
     g = torch.Generator().manual_seed(17)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3
     qkv[3, (heads + kv_heads) * dim : (heads + kv_heads + 1) * dim] = 0  # one V row all zero
+    # one K row's groups 0 and 2 all zero: rotation pairs value i with i + 32, so inputs
+    # 0-15 and 32-47 zero leave outputs 0-15 and 32-47 zero
+    qkv[5, heads * dim : heads * dim + 16] = 0
+    qkv[5, heads * dim + 32 : heads * dim + 48] = 0
     qkv = qkv.to(qkv_dtype)
     positions = torch.randint(0, 2048, (tokens,), generator=g)
     slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
@@ -204,6 +208,9 @@ def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
     assert torch.equal(stored_k, quantize_rows(k_out, 16))
     assert torch.equal(stored_v, quantize_rows(v_out))
     assert torch.equal(stored_v[3, 0], torch.zeros(dim + 4, dtype=torch.int8))
+    k_scales = stored_k[5, 0, dim:].view(torch.float32)  # [4], one a group
+    assert k_scales[0] == k_scales[2] == 0 and bool((k_scales[[1, 3]] > 0).all())
+    assert not stored_k[5, 0, :16].any() and not stored_k[5, 0, 32:48].any()
     # dequantized, each value is within half a step (its group's max / 254) of k
     err = (widen(stored_k, torch.float32, dim) - k_out).unflatten(-1, (dim // 16, 16)).abs()
     amax = k_out.unflatten(-1, (dim // 16, 16)).abs().amax(-1, keepdim=True)
@@ -218,6 +225,8 @@ def test_rope_store_quantizes_k_and_v_into_an_int8_cache(
         ops.rope_store(qkv, cos, sin, slots, narrow, narrow.clone(), heads)
     with pytest.raises(ValueError, match="cache rows of 80"):  # keys in rows of one scale
         ops.rope_store(qkv, cos, sin, slots, v_cache, v_cache.clone(), heads)
+    with pytest.raises(ValueError, match="cache rows of 68"):  # values in the keys' groups
+        ops.rope_store(qkv, cos, sin, slots, k_cache, k_cache.clone(), heads)
 
 
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])

@@ -78,8 +78,9 @@ def _torch_path(q, k_cache, v_cache, tables, lens, bs, window):
 # query heads per KV head at D 64 hold more accumulators than it keeps in registers.
 # With AVX2 a bfloat16 cache is read 4 keys and 3 query heads at a time, 32 values of a
 # value row at a time: 1, 4, 6 and 8 heads a group and D 48 and 80 leave remainders of
-# each, and windows and partial blocks runs of other than 4 keys.
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+# each, and windows and partial blocks runs of other than 4 keys. An int8 cache's keys
+# are dequantized 16 values (a group) at a time, its values in registers where they fit.
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window", "bs"),
     [
@@ -106,9 +107,13 @@ def test_kernel_equals_the_torch_path(
     kernels: NativeKernels,
 ) -> None:
     q, k_cache, v_cache, tables, lens = _case(11, heads, kv_heads, dim, bs, seed=heads * dim + bs)
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    # a bfloat16 cache: the float32 path on the same (widened) values
-    want = _torch_path(q, k_cache.float(), v_cache.float(), tables, lens, bs, window)
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = _int8_caches(k_cache, v_cache)
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    # a narrow cache: the float32 path on the same (widened) values
+    wide_k, wide_v = widen(k_cache, torch.float32, dim), widen(v_cache, torch.float32, dim)
+    want = _torch_path(q, wide_k, wide_v, tables, lens, bs, window)
     got = torch.full_like(q, float("nan"))
     kernels.paged_decode(
         q,
@@ -200,17 +205,18 @@ def test_kernel_reads_an_int8_cache(kernels: NativeKernels) -> None:
     """An int8 cache (keys as rows of D values and a float32 scale per 16 of them, values
     with one scale per row): the kernel equals the float32 path run on the dequantized
     values, scores and sums in float32, and so does the torch gather path."""
-    shapes = ((16, 9, 3, 64, None, 64 + 16), (4, 8, 2, 32, 5, 32 + 8), (8, 4, 2, 24, None, 28))
+    shapes = ((8, 4, 2, 24, None, 28), (4, 8, 2, 32, 5, 32 + 8), (16, 9, 3, 64, None, 64 + 16))
     for bs, heads, kv_heads, dim, window, key_row in shapes:
         q, k_cache, v_cache, tables, lens = _case(9, heads, kv_heads, dim, bs, seed=bs + dim)
         k8, v8 = _int8_caches(k_cache, v_cache)
         assert k8.shape == (*k_cache.shape[:3], key_row) and k8.dtype == torch.int8
         assert v8.shape == (*k_cache.shape[:3], dim + 4) and v8.dtype == torch.int8
         args = _kernel_equals_widened(kernels, q, k8, v8, tables, lens, bs, window)
-    with pytest.raises(ValueError, match="cache rows of 28"):
-        kernels.paged_decode(q, k8[..., :dim], v8, *args)
-    with pytest.raises(ValueError, match="cache rows of 28"):  # values' rows as the keys'
-        kernels.paged_decode(q, k8, quantize_rows(v_cache, 8), *args)
+    # D 64: the keys' rows (80 bytes) and the values' (68) are not each other's
+    with pytest.raises(ValueError, match="cache rows of 80"):
+        kernels.paged_decode(q, v8, v8, *args)
+    with pytest.raises(ValueError, match="cache rows of 68"):
+        kernels.paged_decode(q, k8, k8, *args)
 
 
 def test_int8_key_rows_keep_each_group_within_half_its_step() -> None:

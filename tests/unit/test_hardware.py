@@ -115,11 +115,14 @@ def test_amx_takes_an_int8_cache_behind_bfloat16_layers() -> None:
     groups of 16 values, values by rows); not where prompts are asked to be attended from
     the cache (the C prompt kernel reads bfloat16 or float32 caches only; the decode
     kernel's prompt rows would read rounded values), nor without AMX, nor behind int16
-    layers (whose prompts take the C kernels). Bfloat16 keys over int8 values only when
-    asked for."""
+    layers (whose prompts take the C kernels). Bfloat16 keys over int8 values where the
+    head size leaves int8 keys one scale a row, or when asked for."""
     amx = frozenset({"avx512_bf16", "amx_bf16"})
     int8 = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx)
     assert int8.dtype == "int8" and "AMX" in int8.reason and "groups of 16" in int8.reason
+    # a head size not a multiple of 16: int8 keys would keep one scale a row
+    rows = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx, int8_key_groups=False)
+    assert rows.dtype == "bfloat16-int8" and "cannot group" in rows.reason
     cached = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx, True)
     assert cached.dtype == "bfloat16"
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", False, amx).dtype == "float32"

@@ -714,6 +714,14 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
         i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.kvflow_linear_i16_lanes.restype = ctypes.c_int
     lib.kvflow_linear_i16_lanes.argtypes = []
+    lib.kvflow_i8_key_group.restype = ctypes.c_int
+    lib.kvflow_i8_key_group.argtypes = []
+    # the store takes the key group from store_flags; the decode kernel has its own built in
+    if lib.kvflow_i8_key_group() != I8_KEY_GROUP:
+        raise RuntimeError(
+            f"{target.name} groups int8 keys by {lib.kvflow_i8_key_group()} values, "
+            f"this module by {I8_KEY_GROUP}"
+        )
     built_for = "this CPU" if march == "native" else march
     return NativeLoad(
         NativeKernels(lib, target, march), f"C kernels built for {built_for} ({target.name})"

@@ -133,8 +133,9 @@ void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in
 
 /* n values x into int8 q [n]: q = round(x * 127 / max |x|), and the scale max |x| / 127
  * (0 for zeros) into *scale. Plain IEEE arithmetic here, not the library's -ffast-math
- * (which divides by 127 as a multiplication by its rounded reciprocal): the rows are
- * torch's `quantize_rows`, byte for byte. */
+ * (which divides by 127 as a multiplication by its rounded reciprocal): for finite values
+ * the rows are torch's `quantize_rows`, byte for byte (a NaN is passed over here where
+ * torch carries it into the scale). */
 __attribute__((optimize("no-fast-math"))) static inline void
 store_i8(int8_t *restrict q, char *restrict scale, const float *restrict x, const int n) {
     float amax = 0.0f;
@@ -165,7 +166,8 @@ store_i8(int8_t *restrict q, char *restrict scale, const float *restrict x, cons
 }
 
 /* x [D] rounded into an int8 row dst: the D values, `group` at a time, then a float32
- * scale per group. */
+ * scale per group. Its own function, not inlined into the fast-math rotary loop, so that
+ * store_i8 inlines here under the same no-fast-math. */
 __attribute__((optimize("no-fast-math"), noinline)) static void
 store_i8_row(char *restrict dst, const float *restrict x, int D, int group) {
     if (group == 16) { /* keys: a literal width, so each group is one vector */

@@ -22,13 +22,15 @@
  * A bfloat16 cache is widened to float32 as it is read (a bf16 value is the top half of
  * a float32): scores, softmax and sums stay float32. An int8 cache
  * (kvflow_paged_decode_i8) holds rows of D int8 values and then their float32 scales
- * (value = scale * q): the keys one scale per 16 values (k_cache [NB, KVH, BS, D + D / 4]
- * int8; D + 4 where D is not a multiple of 16), the values one per row (v_cache
- * [.., D + 4]), dequantized as they are read. The two caches may also differ: bfloat16 keys over int8 values
- * (kvflow_paged_decode_bf16_i8, k_cache [NB, KVH, BS, D], v_cache [.., D + 4]), each
- * read as its kind, its rows of its own size. Where the CPU has avx512_bf16 and is not an Intel core with AMX or
- * AVX-512 FP16 (and D is a multiple of 32), the keys are not widened: the scores take q, cut into two bfloat16 halves, against the
- * stored keys with vdpbf16ps, products summed in float32 (score16_bf16; KVFLOW_DOT_BF16).
+ * (value = scale * q): the keys one scale per 16 values (k_cache [NB, KVH, BS,
+ * D + D / 4] int8; D + 4 where D is not a multiple of 16), the values one per row
+ * (v_cache [.., D + 4]), dequantized as they are read. The two caches may also differ:
+ * bfloat16 keys over int8 values (kvflow_paged_decode_bf16_i8, k_cache [NB, KVH, BS, D],
+ * v_cache [.., D + 4]), each read as its kind, its rows of its own size. Where the CPU
+ * has avx512_bf16 and is not an Intel core with AMX or AVX-512 FP16 (and D is a multiple
+ * of 32), the keys are not widened: the scores take q, cut into two bfloat16 halves,
+ * against the stored keys with vdpbf16ps, products summed in float32 (score16_bf16;
+ * KVFLOW_DOT_BF16).
  *
  * With AVX-512 (built with -march=native on such a CPU) and D a multiple of 16, the score
  * pass takes 16 keys of a block at a time (their dot products summed by one transpose
@@ -90,8 +92,8 @@
 #define KV_F32 0
 #define KV_BF16 1
 #define KV_I8 2
-#define KV_I8G 3
-#define I8_KEY_GROUP 16
+#define KV_I8G 3 /* keys only: the value pass reads int8 rows of one scale */
+#define I8_KEY_GROUP 16 /* native.I8_KEY_GROUP, checked against kvflow_i8_key_group */
 
 /* Values per scale in an int8 row of D values. */
 static inline __attribute__((always_inline)) int i8_group(const int kind, const int D) {
@@ -621,7 +623,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                                     : then[past - skip];
         const size_t next_row = past < 0 ? row_v : row_k; /* the rows of the run `next` */
 #if defined(__AVX512F__)
-        if (kind_v != KV_F32 && in_regs) {
+        if ((kind_v == KV_BF16 || kind_v == KV_I8) && in_regs) {
             /* A bfloat16 or int8 run widened in registers, 16 values at a time, each
              * vector used by the G query heads (an int8 row's scale folds into the G
              * probabilities that weigh it): no widened copy stored and loaded again. One
@@ -735,6 +737,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
              const int kind_k, const int kind_v) {
     const int G = H / KVH;
     if (G > MAX_GROUP || G * KVH != H) return 2;
+    if (kind_v == KV_I8G) return 3; /* values are int8 rows of one scale, never grouped */
     int max_len = 1;
     for (int i = 0; i < n; i++)
         if (context_lens[i] > max_len) max_len = context_lens[i];
@@ -832,6 +835,8 @@ int kvflow_paged_decode_bf16(const float *q, const void *k_cache, const void *v_
                         KVH, D, BS, max_blocks, scale, window, KV_BF16, KV_BF16);
 }
 
+/* Keys int8 by groups of I8_KEY_GROUP values, values int8 rows of one scale: 148 bytes
+ * a head and token at D 64 against bfloat16's 256 (see worker.hardware.choose_kv_dtype). */
 int kvflow_paged_decode_i8(const float *q, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, const int32_t *context_lens, void *out,
                            int out_bf16, int n, int H, int KVH, int D, int BS, int max_blocks,
@@ -839,6 +844,10 @@ int kvflow_paged_decode_i8(const float *q, const void *k_cache, const void *v_ca
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
                         KVH, D, BS, max_blocks, scale, window, KV_I8G, KV_I8);
 }
+
+/* The values per scale of an int8 cache's key rows, for the library's loader to check
+ * against its own (the store is told the group, this kernel has it built in). */
+int kvflow_i8_key_group(void) { return I8_KEY_GROUP; }
 
 /* Keys bfloat16, values int8 rows with their scale: the values' bytes nearly halved
  * where their rounding costs next-token agreement nothing measurable (the keys' would:
