@@ -264,6 +264,14 @@ def paged_attention(
         probs = torch.softmax(s, -1).to(vg.dtype)
         out[g.start : g.end] = torch.bmm(probs, vg).view(n, H, D)
 
+    # SDPA's inputs in the prefill dtype where one is set: each of q, k and v cast once for
+    # the step's rows (a contiguous pass) rather than per prompt through a transposed view
+    sdpa = [p for p in meta.prefills if p.block_table is None]
+    narrow = meta.prefill_dtype if sdpa else None
+    if narrow is not None:
+        q = q.to(narrow)
+        k = None if k is None else k.to(narrow)
+        v = None if v is None else v.to(narrow)
     for p in meta.prefills:
         if p.block_table is not None:
             assert meta.prefill_kernels is not None, "a block table is for the C prompt kernel"
@@ -291,8 +299,6 @@ def paged_attention(
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
         # on CPU (4x slower at 512 tokens), 4-D ones its flash kernel.
         mask = None if p.mask is None else p.mask[None, None]
-        if meta.prefill_dtype is not None:
-            qp, kp, vp = (t.to(meta.prefill_dtype) for t in (qp, kp, vp))
         o = F.scaled_dot_product_attention(
             qp[None],
             kp[None],
