@@ -124,8 +124,8 @@ def engine_options(fn: F) -> F:
             type=click.Choice(list(KV_CACHE_DTYPES)),
             default=None,
             help="KV cache dtype (CPU): auto is bfloat16 behind bfloat16 or int16 linear "
-            "layers where the C decode kernel runs (int8 behind bfloat16 layers on a CPU with "
-            "AMX, unless prompts are attended from the cache), else float32; "
+            "layers where the C decode kernel runs (bfloat16-int8 behind bfloat16 layers on a "
+            "CPU with AMX, unless prompts are attended from the cache), else float32; "
             "bfloat16 holds twice float32's blocks in the same "
             "memory, int8 (keys a scale per 16 values, values one per row) 3.5x, "
             "bfloat16-int8 (bfloat16 keys, int8 values) 2.6x.",

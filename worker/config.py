@@ -80,10 +80,10 @@ class EngineConfig:
     # AVX-512 or with AVX-512 VNNI (worker.hardware.choose_int16_linear).
     linear: str = "auto"
     # The KV cache's dtype: "auto" is bfloat16 on CPU behind bfloat16 or int16 linear
-    # layers where the C kernel reads the cache in place ("int8", keys by groups of 16
-    # values and values by rows, behind bfloat16 layers on a CPU with AMX where prompts
-    # take SDPA), the activations' elsewhere; bfloat16 holds twice the blocks in the same
-    # memory (worker.hardware.choose_kv_dtype).
+    # layers where the C kernel reads the cache in place ("bfloat16-int8", bfloat16 keys
+    # over int8 values, behind bfloat16 layers on a CPU with AMX where prompts take SDPA),
+    # the activations' elsewhere; bfloat16 holds twice the blocks in the same memory
+    # (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
     # "float32" on the activations, "native" the C decode kernel in place, a query row at

@@ -194,7 +194,6 @@ def choose_kv_dtype(
     in_place_decode: bool = False,
     cpu_flags: frozenset[str] = frozenset(),
     prompts_read_cache: bool = False,
-    int8_key_groups: bool = True,
 ) -> DtypeChoice:
     """The KV cache's dtype. On CUDA the model's. On CPU a bfloat16 cache holds half the
     bytes per block, so twice the blocks in the same memory, each value rounded as it is
@@ -225,34 +224,38 @@ def choose_kv_dtype(
     and token against 256 (1.31x the blocks). The keys are what int8 costs agreement: rows
     of a bfloat16 cache rounded through int8 after each step, 32 prompts x 64 positions,
     gave 2017 of 2048 with the keys rounded, 2034 with the values (bfloat16 2032); this
-    cache itself 2030. Behind bfloat16 layers on a CPU with AMX its batch-64 decode steps
-    (contexts of 256) took 0.86x / 0.94x bfloat16's time, attention 17.0 against 20.3-20.7
-    ms (Intel Xeon with AMX, two alternating runs of `ops/bench/step_profile.py --batches
-    16,64 --kv-cache-dtype`): decode attention reads the cache at about the memory's pace
-    there, so fewer bytes are less time.
+    cache itself 2030. `auto` takes it behind bfloat16 linear layers on a CPU with AMX,
+    where prompts are attended by bfloat16 SDPA on their exact K/V, and decode attention
+    reads the cache in place: batch-64 decode steps (contexts of 256) took 0.86x / 0.94x
+    bfloat16's time, attention 17.0 against 20.3-20.7 ms (Intel Xeon with AMX, two
+    alternating runs of `ops/bench/step_profile.py --batches 16,64 --kv-cache-dtype`):
+    decode attention reads the cache at about the memory's pace there, so fewer bytes are
+    less time.
 
     "int8" rounds the values so too and the keys by groups of 16 values, each group with
     its own scale (a key's few large channels no longer flatten the rest of its row): 148
     bytes a head and token (1.73x bfloat16's blocks). Simulated as above over int8 values,
     keys by groups of 64 (a row) gave 2016 of 2048, of 32 2025, of 16 2032, of 8 2032;
-    the cache itself 2029, over the 99% bar (with one scale per key row it had been 2012).
-    `auto` takes it behind bfloat16 linear layers on a CPU with AMX, where prompts are
-    attended by bfloat16 SDPA on their exact K/V, and decode attention reads the cache in
-    place: against bfloat16 keys batch-64 decode steps took 0.93x / 1.00x the time at
-    contexts of 256 (attention 16.7-16.8 against 18.6-19.4 ms), 0.89x / 0.98x at 512,
-    0.95x / 0.98x at 1,024 (attention 0.86-0.95x), batch-16 steps 0.93x-0.99x; the
-    long-tail workload ran the same (medians of four alternating runs, 508.6 output tok/s
-    with int8, 513.5 with bfloat16 keys: its decode steps of 33+ sequences are a fifth of
-    its time). The kernel reads its keys at less than the memory's pace (dequantizing 16
-    values takes a conversion and a product where a bfloat16 run takes a shift), so the
-    bytes saved are not all time saved.
-    Where the head size is not a multiple of 16 (`int8_key_groups` False) an int8 key row
-    keeps one scale, what had missed the bar: there auto takes "bfloat16-int8".
-    Not where prompts are asked to be attended from the cache (`prompts_read_cache`:
-    prefill attention "flash", whose C prompt kernel reads float32 or bfloat16 caches only,
-    or "native", which would hand prompt rows the rounded values: unmeasured), and not on
-    the CPUs whose prompts take the C kernels (AVX2, or avx512_bf16 without AMX:
-    unmeasured there)."""
+    the cache itself 2029, over the 99% bar (with one scale per key row it had been 2012;
+    where the head size is not a multiple of 16 a key row still keeps one scale). `auto`
+    does not take it: agreement this near the bar moves with any change to the arithmetic
+    (SiLU computed with 512-bit vectors, 66 of 3.1M of its outputs one bfloat16 step
+    apart, moved it to 2022, bfloat16 keys to 2033, the bfloat16 cache to 2028), and the
+    job does not run faster for it. Behind bfloat16 layers on a CPU with AMX, against
+    bfloat16 keys, batch-64 decode steps took 0.93x / 1.00x the time at contexts of 256
+    (attention 16.7-16.8 against 18.6-19.4 ms), 0.89x / 0.98x at 512, 0.95x / 0.98x at
+    1,024 (attention 0.86-0.95x), batch-16 steps 0.93x-0.99x; the long-tail workload ran
+    the same (medians of four alternating runs, 508.6 output tok/s with int8, 513.5 with
+    bfloat16 keys: its decode steps of 33+ sequences are a fifth of its time). The kernel
+    reads its keys at less than the memory's pace (dequantizing 16 values takes a
+    conversion and a product where a bfloat16 run takes a shift), so the bytes saved are
+    not all time saved.
+
+    Auto takes neither int8 cache where prompts are asked to be attended from the cache
+    (`prompts_read_cache`: prefill attention "flash", whose C prompt kernel reads float32
+    or bfloat16 caches only, or "native", which would hand prompt rows the rounded values:
+    unmeasured), nor on the CPUs whose prompts take the C kernels (AVX2, or avx512_bf16
+    without AMX: unmeasured there)."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if device != "cpu":
@@ -264,17 +267,11 @@ def choose_kv_dtype(
     if requested != "auto":
         return DtypeChoice(requested, "set explicitly")
     amx = linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags
-    if amx and in_place_decode and not prompts_read_cache and not int8_key_groups:
+    if amx and in_place_decode and not prompts_read_cache:
         return DtypeChoice(
             "bfloat16-int8",
             "auto: bfloat16 linear layers, AMX and in-place decode attention; values as "
-            "int8, keys as bfloat16 (a head size int8 keys cannot group by 16)",
-        )
-    if amx and in_place_decode and not prompts_read_cache:
-        return DtypeChoice(
-            "int8",
-            "auto: bfloat16 linear layers, AMX and in-place decode attention; keys as int8 "
-            "by groups of 16 values, values as int8 rows",
+            "int8, keys as bfloat16",
         )
     if linear_dtype in ("bfloat16", "int16") and in_place_decode:
         return DtypeChoice(

@@ -360,7 +360,7 @@ def test_native_attention_is_refused_on_cuda() -> None:
 def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) -> None:
     """A bf16 cache holds twice the blocks in the same memory; auto takes it behind bf16
     linear layers where the C kernel reads the cache in place, and on a CPU with AMX takes
-    an int8 cache. The start-up facts say which and why."""
+    bf16 keys over int8 values. The start-up facts say which and why."""
     from worker.engine.model_runner import ModelRunner
     from worker.model.loader import load_model
 
@@ -392,8 +392,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
     assert all(k.shape[:3] == v.shape[:3] for k, v in mixed.kv_caches)
     assert mixed.info.num_blocks == (8 << 20) // (rows_per_block // 2 * (3 * dim + 4))
     if auto.native is not None and "amx_bf16" in read_cpu_flags():
-        assert auto.info.kv_cache_dtype.startswith("int8 (auto: bfloat16 linear")
-        assert auto.cache_dtypes == (torch.int8, torch.int8)
+        assert auto.info.kv_cache_dtype.startswith("bfloat16-int8 (auto: bfloat16 linear")
+        assert auto.cache_dtypes == (torch.bfloat16, torch.int8)
     elif auto.native is not None:
         assert auto.info.kv_cache_dtype.startswith("bfloat16 (auto: bfloat16 linear layers")
     else:

@@ -103,26 +103,22 @@ def test_the_kv_cache_follows_the_activations_unless_asked() -> None:
         choose_kv_dtype("float32", "cuda", "bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         choose_kv_dtype("float16", "cpu", "float32")
-    # int8 when asked for, on CPU; auto only with AMX (below)
+    # int8 only when asked for, on CPU (at the agreement bar: auto never takes it)
     assert choose_kv_dtype("int8", "cpu", "float32").dtype == "int8"
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True).dtype != "int8"
     with pytest.raises(ValueError, match="model's dtype"):
         choose_kv_dtype("int8", "cuda", "bfloat16")
 
 
-def test_amx_takes_an_int8_cache_behind_bfloat16_layers() -> None:
-    """On a CPU with AMX behind bfloat16 layers, decode attention in place: int8 (keys by
-    groups of 16 values, values by rows); not where prompts are asked to be attended from
-    the cache (the C prompt kernel reads bfloat16 or float32 caches only; the decode
-    kernel's prompt rows would read rounded values), nor without AMX, nor behind int16
-    layers (whose prompts take the C kernels). Bfloat16 keys over int8 values where the
-    head size leaves int8 keys one scale a row, or when asked for."""
+def test_amx_takes_int8_values_behind_bfloat16_keys() -> None:
+    """On a CPU with AMX behind bfloat16 layers, decode attention in place: bfloat16 keys
+    over int8 values (values cost no agreement, keys would); not where prompts are asked
+    to be attended from the cache (the C prompt kernel reads bfloat16 or float32 caches
+    only; the decode kernel's prompt rows would read rounded values), nor without AMX,
+    nor behind int16 layers (whose prompts take the C kernels)."""
     amx = frozenset({"avx512_bf16", "amx_bf16"})
-    int8 = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx)
-    assert int8.dtype == "int8" and "AMX" in int8.reason and "groups of 16" in int8.reason
-    # a head size not a multiple of 16: int8 keys would keep one scale a row
-    rows = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx, int8_key_groups=False)
-    assert rows.dtype == "bfloat16-int8" and "cannot group" in rows.reason
+    mixed = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx)
+    assert mixed.dtype == "bfloat16-int8" and "AMX" in mixed.reason
     cached = choose_kv_dtype("auto", "cpu", "float32", "bfloat16", True, amx, True)
     assert cached.dtype == "bfloat16"
     assert choose_kv_dtype("auto", "cpu", "float32", "bfloat16", False, amx).dtype == "float32"

@@ -40,7 +40,6 @@ from worker.model.layer_stack import LayerStack
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
 from worker.model.native import (
-    I8_KEY_GROUP,
     KV_DTYPES,
     MAX_GROUP,
     NativeKernels,
@@ -182,7 +181,6 @@ class ModelRunner:
             self.native is not None,
             read_cpu_flags(),
             prompts_read_cache=config.prefill_attention in ("flash", "native"),
-            int8_key_groups=mcfg.head_dim % I8_KEY_GROUP == 0,
         )
         # the keys' cache and the values' (int8 rows hold D values and their float32
         # scales: quantize_rows); "bfloat16-int8" is bfloat16 keys over int8 values
