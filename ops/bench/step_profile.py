@@ -272,15 +272,13 @@ def step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
             if path == "int16" and m.int16_weight is not None:
                 weights += m.int16_weight.nbytes
             elif path == "rows" and m.rows_weight is not None:
-                weights += m.rows_weight.numel() * m.rows_weight.element_size()
+                weights += m.rows_weight.nbytes
             else:
-                size = torch.empty((), dtype=m.weight.dtype).element_size()
-                weights += m.weight.shape[0] * m.weight.shape[1] * size
+                weights += m.weight.shape[0] * m.weight.shape[1] * m.weight.dtype.itemsize
         elif isinstance(m, quant_mod.Int8Linear):
             weights += m.out_features * m.in_features + 4 * m.out_features  # int8, scales
     if model.narrow_head is None:
-        head = model.output_weight
-        weights += head.numel() * head.element_size()
+        weights += model.output_weight.nbytes
     # a token's K and V rows in every layer, as the caches hold them ([NB, KVH, BS, row])
     per_token = sum(
         k.shape[1] * (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())

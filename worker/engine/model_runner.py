@@ -205,25 +205,19 @@ class ModelRunner:
         self.prefill_in_place = prefill.dtype == "native"
         # prompt chunks attended by the C prompt kernel, each through its block table
         self.prefill_kernels = self.native if prefill.dtype == "flash" else None
-        rows = [
-            cache_row(t, mcfg.head_dim, keys)
-            for t, keys in zip(self.cache_dtypes, (True, False), strict=True)
-        ]
+        k_row = cache_row(self.kv_dtype, mcfg.head_dim, keys=True)
+        v_row = cache_row(self.v_dtype, mcfg.head_dim, keys=False)
         # bytes of K and V for one block across all layers
-        block_bytes = (
-            mcfg.num_layers
-            * self.block_size
-            * mcfg.num_kv_heads
-            * sum(row * t.itemsize for row, t in zip(rows, self.cache_dtypes, strict=True))
-        )
+        token_bytes = k_row * self.kv_dtype.itemsize + v_row * self.v_dtype.itemsize
+        block_bytes = mcfg.num_layers * self.block_size * mcfg.num_kv_heads * token_bytes
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
         self.num_kv_heads = mcfg.num_kv_heads
         # Head-major blocks (worker.model.attention explains why).
-        shapes = [(num_blocks, mcfg.num_kv_heads, self.block_size, row) for row in rows]
+        blocks = (num_blocks, mcfg.num_kv_heads, self.block_size)
         self.kv_caches = [
             (
-                self._cache_tensor(shapes[0], self.kv_dtype),
-                self._cache_tensor(shapes[1], self.v_dtype),
+                self._cache_tensor((*blocks, k_row), self.kv_dtype),
+                self._cache_tensor((*blocks, v_row), self.v_dtype),
             )
             for _ in range(mcfg.num_layers)
         ]

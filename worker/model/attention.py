@@ -266,9 +266,8 @@ def paged_attention(
 
     # SDPA's inputs in the prefill dtype where one is set: each of q, k and v cast once for
     # the step's rows (a contiguous pass) rather than per prompt through a transposed view
-    sdpa = [p for p in meta.prefills if p.block_table is None]
-    narrow = meta.prefill_dtype if sdpa else None
-    if narrow is not None:
+    narrow = meta.prefill_dtype
+    if narrow is not None and any(p.block_table is None for p in meta.prefills):
         q = q.to(narrow)
         k = None if k is None else k.to(narrow)
         v = None if v is None else v.to(narrow)

@@ -170,11 +170,6 @@ store_i8(int8_t *restrict q, char *restrict scale, const float *restrict x, cons
  * store_i8 inlines here under the same no-fast-math. */
 __attribute__((optimize("no-fast-math"), noinline)) static void
 store_i8_row(char *restrict dst, const float *restrict x, int D, int group) {
-    if (group == 16) { /* keys: a literal width, so each group is one vector */
-        for (int g = 0; g < D / 16; g++)
-            store_i8((int8_t *)dst + 16 * g, dst + D + sizeof(float) * g, x + 16 * g, 16);
-        return;
-    }
     for (int g = 0; g < D / group; g++)
         store_i8((int8_t *)dst + group * g, dst + D + sizeof(float) * g, x + group * g, group);
 }
