@@ -51,13 +51,14 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
         rows_layout(torch.zeros(24, 6))
 
 
-# Row counts at and around the tiles' edges (tiles of 4 rows; AMX slabs of 16 and 32), and
-# column counts whose shares (one a thread, by the column block of 16, or by pairs of them
-# on AMX) end in a full tile of 6 blocks or in a part of one, or in a block alone; 16 x
-# 101 blocks give every thread full tiles and a part on up to 16 threads, one block leaves
-# every thread but one without work. Inputs of a multiple of 32 go to the AMX tiles where
-# the CPU has them; 48 and 80 take the vector tiles there too.
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 16, 17, 32, 37, 64, 130])
+# Row counts at and around the tiles' edges (tiles of 6 rows, the next panel asked for
+# from 12; AMX slabs of 16 and 32), and column counts whose shares (one a thread, by the
+# column block of 16, or by pairs of them on AMX) end in a full tile of 4 blocks or in a
+# part of one, or in a block alone; 16 x 8 blocks give two threads a full tile each and
+# no next panel, 16 x 101 every thread full tiles and a part on up to 16 threads, one
+# block leaves every thread but one without work. Inputs of a multiple of 32 go to the
+# AMX tiles where the CPU has them; 48 and 80 take the vector tiles there too.
+@pytest.mark.parametrize("tokens", [1, 3, 5, 6, 7, 11, 12, 13, 16, 18, 32, 37, 64, 130])
 @pytest.mark.parametrize(
     ("k", "n"),
     [
@@ -66,6 +67,7 @@ def test_rows_layout_puts_16_columns_in_the_lanes() -> None:
         (64, 48),
         (32, 16 * 13),
         (64, 16 * 101),
+        (64, 16 * 8),
         (64, 16),
         (48, 64),
         (80, 16 * 3),
