@@ -28,7 +28,7 @@
  * ask for the next panel into L2 as they go, each an equal share of it spread over its
  * pairs (where there are at least two whole row tiles: at fewer rows a step is the
  * weights' stream either way, and there panels of TC_FEW blocks ran the stream as fast
- * as the earlier 6 did, where 4 took 1.01-1.04x the time). The default model's 121 row
+ * as the earlier 6 did, where 4 took 1.01-1.09x the time). The default model's 121 row
  * weights (the decoder's and the output projection's narrow copy, 269 MB, from memory),
  * 2 threads, AMD EPYC Zen 4, against tiles of 4 rows x 6 blocks without the requests
  * (medians of 9, both builds alternating in one process, two or three runs): 0.92-0.97x
