@@ -3,6 +3,7 @@
  * sums exact and the rounding of the inputs, so both compute the same sums. */
 #ifndef KVFLOW_INT16_H
 #define KVFLOW_INT16_H
+#include <stddef.h>
 #include <stdint.h>
 
 #define KB 64      /* inputs per block of int32 sums */
@@ -25,8 +26,10 @@
 
 /* One build's tiles over a chunk's rows mc..mend-1 (mc a multiple of I16_MC) x the panel
  * of column blocks b..b+nr-1 (nr <= I16_NR), into out times the column scales (+ bias);
- * kvflow_linear_i16 (int16_matmul.c) splits the panels between threads. */
+ * kvflow_linear_i16 (int16_matmul.c) splits the panels between threads. `next` (NULL:
+ * none) is the thread's next panel, `ask` bytes, which a build may ask into the cache
+ * meanwhile. */
 void kvflow_i16_panel(const int16_t *xq, const float *xs, const int16_t *wq, const float *ws,
                       const float *bias, float *out, int K, int N, int nkb, int mc, int mend,
-                      int b, int nr);
+                      int b, int nr, const char *next, size_t ask);
 #endif
