@@ -41,8 +41,8 @@
  * prefetcht1 a pair in the loop below). Measured through this build on an AMD EPYC Zen 4
  * (x86-64-v3; not on a CPU whose own build it is), the decoder's 120 matmuls of random
  * weights (212 MB), 2 threads, medians of 9, both versions alternating in one process,
- * two runs: 0.80-0.84x the time at 8-16 rows, 0.80x at 12, 0.88x at 24, 0.90-0.91x at 32,
- * 0.94-0.96x at 48-64, 0.97x at 128, 0.92x at 6, 0.97-1.00x at 1-4 (three lines a pair,
+ * three runs: 0.80-0.84x the time at 8-16 rows, 0.88x at 24, 0.90-0.91x at 32, 0.94-0.96x
+ * at 48-64, 0.97x at 128, 0.92x at 6, 0.97-1.01x at 1-4 (three lines a pair,
  * to cover the longer shares of few tiles: 1.07x at 4 rows and 1.05x at 64, the loop
  * then bound by its loads).
  *
@@ -442,7 +442,8 @@ static void linear_tiles(const int16_t *xq, const float *xs, const int16_t *wq, 
             for (int pn = lo; pn < hi; pn++) {
                 const int b = pn * I16_NR, nr = blocks - b < I16_NR ? blocks - b : I16_NR;
                 /* the next panel of this thread's share: its blocks follow on */
-                const int nb = pn + 1 < hi ? (blocks - b - nr < I16_NR ? blocks - b - nr : I16_NR) : 0;
+                const int left = blocks - b - nr;
+                const int nb = pn + 1 < hi ? (left < I16_NR ? left : I16_NR) : 0;
                 const char *next = (const char *)(wq + (size_t)(b + nr) * K * I16_LANES);
                 const size_t ask = (size_t)nb * K * I16_LANES * sizeof(int16_t);
                 kvflow_i16_panel(xq, xs, wq, ws, bias, out, K, N, nkb, mc, mend, b, nr,

@@ -35,7 +35,7 @@
  * the time at 12 rows, 0.81-0.94x at 16, 0.83x at 24, 0.90-0.93x at 32, 0.91x at 48,
  * 0.92-0.99x at 64, 0.97x at 96, 0.98-1.01x at 1-4. The sums, and so the outputs, are
  * the same bit for bit.
-
+ *
  * Where the CPU also has AMX (and Linux grants this process the tiles), the same
  * layout feeds the tiles instead: a block's 16 pairs of inputs k .. k + 31 are one B tile
  * as they stand ([16 pairs, 16 columns, 2], 64 bytes a row), so the product goes in tiles
@@ -131,7 +131,8 @@ tile(const uint16_t *restrict x, const uint16_t *restrict wp, uint16_t *restrict
     default: TILE(RT, 6); break;                                                        \
     }
 
-/* A tile of rt <= TR rows x cb <= TC blocks: full tiles, and the edges of the last ones */
+/* A tile of rt <= TR rows x cb <= TC blocks (TC_FEW where rt <= FEW): full tiles, and the
+ * edges of the last ones */
 static void any_tile(const uint16_t *x, const uint16_t *wp, uint16_t *out, const int rt,
                      const int cb, const int P, const int N, const int r0, const int b,
                      const char *next, const size_t ask) {
