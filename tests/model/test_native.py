@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from worker.model.attention import (
     widen,
 )
 from worker.model.native import (
+    KERNELS,
     MARCH_FLAGS,
     NativeKernels,
     i8_group,
@@ -440,3 +443,25 @@ def test_a_march_this_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(native_mod, "read_cpu_flags", lambda: avx2_only)
     with pytest.raises(ValueError, match="does not run x86-64-v4 \\(it lacks avx512bw"):
         load_native(march="x86-64-v4")
+
+
+def test_kernels_build_from_the_sources_they_are_given(tmp_path, monkeypatch) -> None:
+    """`load_native(kernels=...)` builds the folder it is given (another version's sources,
+    for ops/bench/kernel_ab.py): the library is named by the sources' bytes, so the same
+    bytes elsewhere load the library already built, and changed ones build their own."""
+    default = load_native()
+    assert default.kernels is not None, default.reason
+    same = tmp_path / "same"
+    shutil.copytree(KERNELS, same)
+    copied = load_native(kernels=same)
+    assert copied.kernels is not None and copied.kernels.path == default.kernels.path
+    changed = tmp_path / "changed"
+    shutil.copytree(KERNELS, changed)
+    source = changed / "paged_decode.c"
+    text = source.read_text()
+    assert "#define I8_KEY_GROUP 16 " in text
+    source.write_text(text.replace("#define I8_KEY_GROUP 16 ", "#define I8_KEY_GROUP 8 "))
+    monkeypatch.setenv("KVFLOW_KERNEL_CACHE", str(tmp_path / "cache"))  # a throwaway build
+    # the check at load time sees the changed library's own constant
+    with pytest.raises(RuntimeError, match="groups int8 keys by 8 values"):
+        load_native(kernels=changed)

@@ -30,20 +30,16 @@ import torch
 
 from worker.hardware import INTEL, read_cpu_flags, read_cpu_vendor
 
-SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name
-    for name in (
-        "paged_decode.c",
-        "layer_ops.c",
-        "small_matmul.c",
-        "int16_matmul.c",
-        "int16_matmul_vnni.c",
-        "prefill_attention.c",
-    )
+KERNELS = Path(__file__).with_name("kernels")  # the C sources `load_native` builds
+SOURCES = (
+    "paged_decode.c",
+    "layer_ops.c",
+    "small_matmul.c",
+    "int16_matmul.c",
+    "int16_matmul_vnni.c",
+    "prefill_attention.c",
 )
-HEADERS = tuple(  # included by SOURCES
-    Path(__file__).with_name("kernels") / name for name in ("bf16.h", "int16.h", "silu.h")
-)
+HEADERS = ("bf16.h", "int16.h", "silu.h")  # included by SOURCES
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")  # and -march
 # The older instruction sets `load_native` builds for, by the /proc/cpuinfo flags a CPU
 # needs to run them (the x86-64 psABI levels, each adding to the one before; "native" is
@@ -642,7 +638,9 @@ def vendor_defines(march: str, vendor: str) -> tuple[str, ...]:
     return ("-DKVFLOW_INTEL_CORE",) if march == "native" and vendor == INTEL else ()
 
 
-def load_native(compiler: str | None = None, march: str = "native") -> NativeLoad:
+def load_native(
+    compiler: str | None = None, march: str = "native", kernels: Path = KERNELS
+) -> NativeLoad:
     """Build (once per source, compiler, instruction set and CPU) and load the CPU kernels.
 
     `march` is the instruction set, as the compiler's -march names it: "native", this
@@ -650,7 +648,10 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     paths of CPUs without this one's extensions ("x86-64-v4": AVX-512 without bfloat16 or
     VNNI; "x86-64-v3": AVX2 and FMA, no AVX-512; "x86-64-v2": neither, the plain loops), so
     that tests and benchmarks on an AVX-512 machine check those paths too. A level this CPU
-    does not run (its library would die at its first call) is a ValueError."""
+    does not run (its library would die at its first call) is a ValueError.
+
+    `kernels` is the folder of the sources (another version's, for a benchmark that
+    times two side by side in one process: `ops/bench/kernel_ab.py`)."""
     cpu = read_cpu_flags()
     if march != "native":
         if march not in MARCH_FLAGS:
@@ -669,7 +670,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     key = hashlib.sha256(
         b"\0".join(
             [
-                *(source.read_bytes() for source in SOURCES + HEADERS),
+                *((kernels / name).read_bytes() for name in SOURCES + HEADERS),
                 " ".join(flags + LIBS).encode(),
                 cc.encode(),
                 " ".join(sorted(cpu)).encode(),
@@ -679,7 +680,7 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     target = cache_dir() / f"kvflow-{key}.so"
     if not target.exists():
         try:
-            _build(cc, flags, target)
+            _build(cc, flags, [kernels / name for name in SOURCES], target)
         except (OSError, subprocess.SubprocessError) as e:
             return NativeLoad(None, f"the C kernels did not build ({e})")
     try:
@@ -728,14 +729,14 @@ def load_native(compiler: str | None = None, march: str = "native") -> NativeLoa
     )
 
 
-def _build(cc: str, flags: tuple[str, ...], target: Path) -> None:
+def _build(cc: str, flags: tuple[str, ...], sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent builders never load a half file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *flags, "-o", tmp, *map(str, SOURCES), *LIBS],
+            [cc, *flags, "-o", tmp, *map(str, sources), *LIBS],
             capture_output=True,
             text=True,
             timeout=120,

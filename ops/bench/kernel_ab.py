@@ -1,0 +1,274 @@
+"""Two versions of the C kernels side by side in one process: before and after a change.
+
+    python ops/bench/kernel_ab.py --base HEAD~1                # this tree against HEAD~1
+    python ops/bench/kernel_ab.py --base 5853923 --head b53ad7b --ops int16 --rows 8,16,32
+    python ops/bench/kernel_ab.py --base HEAD~1 --march x86-64-v3   # the AVX2 build
+
+Builds worker/model/kernels of `--base` (a git revision) and of `--head` (a revision, or
+by default this working tree), loads both libraries, and times each kernel a step of the
+default model calls, on random data of the model's shapes and in its amounts (30 layers'
+weights and caches, so that they stream from memory as in a step, not from cache):
+
+- int16: a decoder layer's four matmuls on int16 weights (the AVX2 or AVX-512 VNNI
+  build's float32 layers), 30 layers a pass;
+- rows: the same on bfloat16 weights through the row kernel (CPUs with avx512_bf16),
+  up to 128 rows;
+- decode: decode attention over a bfloat16 cache, contexts of 200-300 tokens, 30 layers
+  a pass, the rows being the sequences.
+
+The two versions alternate pass by pass (drift hits both alike); medians of `--rounds`.
+Each pair of outputs is compared: a kernel change meant to keep its results shows 0 in
+the table's last column. Prints a table and writes .md, .json and a PNG of the time ratio
+to `--out`. The Python side (weight layouts, argument checks) is this tree's: versions
+whose C entry points or layouts differ cannot be compared this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from worker.model.native import (
+    KERNELS,
+    NativeKernels,
+    int16_layout,
+    load_native,
+    rows_layout,
+)
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of a layer's matmuls
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's attention
+DEFAULT_ROWS = {"int16": "1,4,8,16,32,64,256", "rows": "1,4,8,16,32,64,128", "decode": "8,32,64"}
+
+Pass = Callable[[NativeKernels], list[torch.Tensor]]  # one pass of an op: its outputs
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    rows: int
+    run: Pass
+    gop: float  # work in a pass: 1e9 operations (matmuls) or 0 (attention)
+
+
+def kernels_at(rev: str, into: Path) -> Path:
+    """worker/model/kernels as `rev` holds it, extracted under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "worker/model/kernels"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    into.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "worker" / "model" / "kernels"
+
+
+def load(kernels: Path, march: str, name: str) -> NativeKernels:
+    loaded = load_native(march=march, kernels=kernels)
+    if loaded.kernels is None:
+        sys.exit(f"{name}: {loaded.reason}")
+    return loaded.kernels
+
+
+def matmul_cases(op: str, ops: NativeKernels, rows: list[int], layers: int) -> list[Case]:
+    g = torch.Generator().manual_seed(0)
+    flat = [torch.randn(n, k, generator=g) * 0.05 for _ in range(layers) for n, k in SHAPES]
+    if op == "int16":
+        i16 = [int16_layout(w, ops.int16_lanes) for w in flat]
+        dtype = torch.float32
+
+        def mm(k: NativeKernels, x: torch.Tensor, j: int) -> torch.Tensor:
+            return k.linear_i16(x, i16[j])
+
+    else:
+        bf16 = [rows_layout(w) for w in flat]
+        dtype = torch.bfloat16
+
+        def mm(k: NativeKernels, x: torch.Tensor, j: int) -> torch.Tensor:
+            return k.matmul_rows(x, bf16[j], x.shape[0])
+
+    del flat
+    cases = []
+    for M in rows:
+        xs = [torch.randn(M, k, generator=g).to(dtype) for _, k in SHAPES]
+
+        def run(k: NativeKernels, xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [mm(k, xs[j % len(SHAPES)], j) for j in range(layers * len(SHAPES))]
+
+        gop = 2 * M * layers * sum(n * k for n, k in SHAPES) / 1e9
+        cases.append(Case(op, M, run, gop))
+    return cases
+
+
+def decode_cases(rows: list[int], layers: int) -> list[Case]:
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for n in rows:
+        lens = torch.randint(200, 301, (n,), generator=g, dtype=torch.int32)
+        per_seq = -(-300 // BLOCK)
+        blocks = n * per_seq
+        caches = [
+            (
+                torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16),
+                torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16),
+            )
+            for _ in range(layers)
+        ]
+        # scattered blocks, as a long-running cache holds them
+        tables = torch.randperm(blocks, generator=g).to(torch.int32).view(n, per_seq)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
+
+        def run(
+            k: NativeKernels,
+            q: torch.Tensor = q,
+            caches: list[tuple[torch.Tensor, torch.Tensor]] = caches,
+            tables: torch.Tensor = tables,
+            lens: torch.Tensor = lens,
+        ) -> list[torch.Tensor]:
+            outs = []
+            for kc, vc in caches:
+                out = torch.empty_like(q)
+                k.paged_decode(q, kc, vc, tables, lens, out, HEAD_DIM**-0.5, 0)
+                outs.append(out)
+            return outs
+
+        cases.append(Case("decode", n, run, 0.0))
+    return cases
+
+
+def pass_ms(run: Pass, ops: NativeKernels, calls: int) -> tuple[float, list[torch.Tensor]]:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        outs = run(ops)
+    return (time.perf_counter() - t0) / calls * 1e3, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--base", required=True, help="git revision of the kernels before")
+    ap.add_argument("--head", default=None, help="git revision after (default: this tree)")
+    ap.add_argument("--ops", default=None, help="int16,rows,decode (default: those built)")
+    ap.add_argument("--rows", default=None, help="rows (sequences for decode) for every op")
+    ap.add_argument("--march", default="native", help="the kernels' -march (default: this CPU)")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench-results/kernel-ab"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load(kernels_at(args.base, Path(tmp) / "base"), args.march, args.base)
+        head_name = args.head or "this tree"
+        head_dir = kernels_at(args.head, Path(tmp) / "head") if args.head else KERNELS
+        head = load(head_dir, args.march, head_name)
+    built = [
+        op
+        for op, ok in (
+            ("int16", head.int16_built),
+            ("rows", head.matmul_rows_built),
+            ("decode", True),
+        )
+        if ok
+    ]
+    ops = args.ops.split(",") if args.ops else built
+    for op in ops:
+        if op not in built:
+            sys.exit(f"{op}: not in this CPU's {args.march} build (built here: {', '.join(built)})")
+    cases: list[Case] = []
+    for op in ops:
+        rows = [int(r) for r in (args.rows or DEFAULT_ROWS[op]).split(",")]
+        if op == "decode":
+            cases += decode_cases(rows, args.layers)
+        else:
+            cases += matmul_cases(op, head, rows, args.layers)
+    results = []
+    for case in tqdm(cases, desc="cases", file=sys.stderr):
+        t0 = time.perf_counter()
+        case.run(base), case.run(head)  # warm-up
+        calls = max(1, round(0.2 / max(time.perf_counter() - t0, 1e-6)))  # ~0.2 s a round
+        times: dict[str, list[float]] = {"base": [], "head": []}
+        for _ in range(args.rounds):
+            ms, out_base = pass_ms(case.run, base, calls)
+            times["base"].append(ms)
+            ms, out_head = pass_ms(case.run, head, calls)
+            times["head"].append(ms)
+        diff = max(
+            float((a.float() - b.float()).abs().max())
+            for a, b in zip(out_base, out_head, strict=True)
+        )
+        b_ms, h_ms = statistics.median(times["base"]), statistics.median(times["head"])
+        results.append(
+            {
+                "op": case.op,
+                "rows": case.rows,
+                "base_ms": b_ms,
+                "head_ms": h_ms,
+                "ratio": h_ms / b_ms,
+                "head_gops": case.gop / h_ms * 1e3 if case.gop else None,
+                "max_abs_diff": diff,
+            }
+        )
+    lines = [
+        f"C kernels of {head_name} against {args.base} (-march={args.march}), "
+        f"{args.threads} threads, {args.layers} layers a pass, medians of {args.rounds} "
+        "alternating rounds",
+        "",
+        "| op | rows | base ms | head ms | head ÷ base | head GOP/s | max abs diff |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        gops = f"{r['head_gops']:.0f}" if r["head_gops"] else "-"
+        lines.append(
+            f"| {r['op']} | {r['rows']} | {r['base_ms']:.2f} | {r['head_ms']:.2f} | "
+            f"{r['ratio']:.3f} | {gops} | {r['max_abs_diff']:.3g} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernel_ab.md").write_text(text + "\n")
+    record = {"base": args.base, "head": head_name, "march": args.march, "results": results}
+    (args.out / "kernel_ab.json").write_text(json.dumps(record, indent=1))
+    plot(results, f"{head_name} vs {args.base}", args.out / "kernel_ab.png")
+    print(f"wrote {args.out}/kernel_ab.md, .json, .png")
+
+
+def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    for op in dict.fromkeys(str(r["op"]) for r in results):
+        mine = [r for r in results if r["op"] == op]
+        ax.plot([r["rows"] for r in mine], [r["ratio"] for r in mine], marker="o", label=op)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (sequences for decode)")
+    ax.set_ylabel("head time ÷ base time")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
