@@ -43,6 +43,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from worker.hardware import keep_freed_memory
 from worker.model.native import (
     KERNELS,
     NativeKernels,
@@ -55,7 +56,9 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of a la
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's attention
 DEFAULT_ROWS = {"int16": "1,4,8,16,32,64,256", "rows": "1,4,8,16,32,64,128", "decode": "8,32,64"}
 
-Pass = Callable[[NativeKernels], list[torch.Tensor]]  # one pass of an op: its outputs
+# one pass of an op; its outputs appended to the list where one is given (else dropped,
+# as a step drops a layer's once the next has run)
+Pass = Callable[[NativeKernels, list[torch.Tensor] | None], None]
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,13 @@ def matmul_cases(op: str, ops: NativeKernels, rows: list[int], layers: int) -> l
     for M in rows:
         xs = [torch.randn(M, k, generator=g).to(dtype) for _, k in SHAPES]
 
-        def run(k: NativeKernels, xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
-            return [mm(k, xs[j % len(SHAPES)], j) for j in range(layers * len(SHAPES))]
+        def run(
+            k: NativeKernels, keep: list[torch.Tensor] | None, xs: list[torch.Tensor] = xs
+        ) -> None:
+            for j in range(layers * len(SHAPES)):
+                out = mm(k, xs[j % len(SHAPES)], j)
+                if keep is not None:
+                    keep.append(out)
 
         gop = 2 * M * layers * sum(n * k for n, k in SHAPES) / 1e9
         cases.append(Case(op, M, run, gop))
@@ -135,27 +143,27 @@ def decode_cases(rows: list[int], layers: int) -> list[Case]:
 
         def run(
             k: NativeKernels,
+            keep: list[torch.Tensor] | None,
             q: torch.Tensor = q,
             caches: list[tuple[torch.Tensor, torch.Tensor]] = caches,
             tables: torch.Tensor = tables,
             lens: torch.Tensor = lens,
-        ) -> list[torch.Tensor]:
-            outs = []
+        ) -> None:
             for kc, vc in caches:
                 out = torch.empty_like(q)
                 k.paged_decode(q, kc, vc, tables, lens, out, HEAD_DIM**-0.5, 0)
-                outs.append(out)
-            return outs
+                if keep is not None:
+                    keep.append(out)
 
         cases.append(Case("decode", n, run, 0.0))
     return cases
 
 
-def pass_ms(run: Pass, ops: NativeKernels, calls: int) -> tuple[float, list[torch.Tensor]]:
+def pass_ms(run: Pass, ops: NativeKernels, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
-        outs = run(ops)
-    return (time.perf_counter() - t0) / calls * 1e3, outs
+        run(ops, None)
+    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def main() -> None:
@@ -173,6 +181,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-results/kernel-ab"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the engine does: a step's temporaries without page faults
     with tempfile.TemporaryDirectory() as tmp:
         base = load(kernels_at(args.base, Path(tmp) / "base"), args.march, args.base)
         head_name = args.head or "this tree"
@@ -200,19 +209,21 @@ def main() -> None:
             cases += matmul_cases(op, head, rows, args.layers)
     results = []
     for case in tqdm(cases, desc="cases", file=sys.stderr):
-        t0 = time.perf_counter()
-        case.run(base), case.run(head)  # warm-up
-        calls = max(1, round(0.2 / max(time.perf_counter() - t0, 1e-6)))  # ~0.2 s a round
-        times: dict[str, list[float]] = {"base": [], "head": []}
-        for _ in range(args.rounds):
-            ms, out_base = pass_ms(case.run, base, calls)
-            times["base"].append(ms)
-            ms, out_head = pass_ms(case.run, head, calls)
-            times["head"].append(ms)
+        out_base: list[torch.Tensor] = []
+        out_head: list[torch.Tensor] = []
+        case.run(base, out_base), case.run(head, out_head)  # warm-up, and the outputs
         diff = max(
             float((a.float() - b.float()).abs().max())
             for a, b in zip(out_base, out_head, strict=True)
         )
+        del out_base, out_head
+        t0 = time.perf_counter()
+        case.run(base, None)
+        calls = max(1, round(0.2 / max(time.perf_counter() - t0, 1e-6)))  # ~0.2 s a round
+        times: dict[str, list[float]] = {"base": [], "head": []}
+        for _ in range(args.rounds):
+            times["base"].append(pass_ms(case.run, base, calls))
+            times["head"].append(pass_ms(case.run, head, calls))
         b_ms, h_ms = statistics.median(times["base"]), statistics.median(times["head"])
         results.append(
             {

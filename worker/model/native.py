@@ -30,16 +30,9 @@ import torch
 
 from worker.hardware import INTEL, read_cpu_flags, read_cpu_vendor
 
-KERNELS = Path(__file__).with_name("kernels")  # the C sources `load_native` builds
-SOURCES = (
-    "paged_decode.c",
-    "layer_ops.c",
-    "small_matmul.c",
-    "int16_matmul.c",
-    "int16_matmul_vnni.c",
-    "prefill_attention.c",
-)
-HEADERS = ("bf16.h", "int16.h", "silu.h")  # included by SOURCES
+# The C kernels: `load_native` builds every .c file of the folder into one library, named
+# by the bytes of those and of the .h files they include
+KERNELS = Path(__file__).with_name("kernels")
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")  # and -march
 # The older instruction sets `load_native` builds for, by the /proc/cpuinfo flags a CPU
 # needs to run them (the x86-64 psABI levels, each adding to the one before; "native" is
@@ -667,10 +660,11 @@ def load_native(
     if shutil.which(cc) is None:
         return NativeLoad(None, f"no C compiler ({cc!r} not found)")
     flags = (*CFLAGS, f"-march={march}", *vendor_defines(march, read_cpu_vendor()))
+    sources, headers = sorted(kernels.glob("*.c")), sorted(kernels.glob("*.h"))
     key = hashlib.sha256(
         b"\0".join(
             [
-                *((kernels / name).read_bytes() for name in SOURCES + HEADERS),
+                *(path.name.encode() + path.read_bytes() for path in sources + headers),
                 " ".join(flags + LIBS).encode(),
                 cc.encode(),
                 " ".join(sorted(cpu)).encode(),
@@ -680,7 +674,7 @@ def load_native(
     target = cache_dir() / f"kvflow-{key}.so"
     if not target.exists():
         try:
-            _build(cc, flags, [kernels / name for name in SOURCES], target)
+            _build(cc, flags, sources, target)
         except (OSError, subprocess.SubprocessError) as e:
             return NativeLoad(None, f"the C kernels did not build ({e})")
     try:
