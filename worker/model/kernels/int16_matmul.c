@@ -63,6 +63,7 @@
 #include <string.h>
 
 #include "int16.h"
+#include "share.h"
 #include "silu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -278,9 +279,9 @@ static inline void ask_share(const int16_t *wq, const char *next, size_t ask, lo
     *pf = (const char *)wq;
     *pfs = 0;
     if (next == NULL || t == 0 || tiles < 2) return;
-    const size_t from = ask * (size_t)(t - 1) / (size_t)(tiles - 1);
-    const long step = (long)(ask * (size_t)t / (size_t)(tiles - 1) - from + P - 1) / P;
-    *pf = next + from;
+    size_t len;
+    *pf = next_share(next, ask, t, tiles, &len);
+    const long step = ((long)len + P - 1) / P;
     *pfs = step < 64 ? step : 64;
 }
 

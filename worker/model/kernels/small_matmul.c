@@ -53,6 +53,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "share.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -267,11 +268,8 @@ static void vector_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, in
             for (int r0 = 0, t = 0; r0 < M; r0 += TR, t++) {
                 const char *next = NULL;
                 size_t ask = 0;
-                if (t > 0 && later > 0 && nb > 0) { /* tile t asks for share t - 1 */
-                    const size_t from = bytes * (size_t)(t - 1) / (size_t)later;
-                    next = panel + from;
-                    ask = bytes * (size_t)t / (size_t)later - from;
-                }
+                if (t > 0 && later > 0 && nb > 0) /* tile t asks for share t - 1 */
+                    next = next_share(panel, bytes, t, later + 1, &ask);
                 any_tile(x, wp, out, M - r0 < TR ? M - r0 : TR, cb, P, N, r0, b, next, ask);
             }
         }
