@@ -14,7 +14,9 @@ weights and caches, so that they stream from memory as in a step, not from cache
 - rows: the same on bfloat16 weights through the row kernel (CPUs with avx512_bf16),
   up to 128 rows;
 - decode: decode attention over a bfloat16 cache, contexts of 200-300 tokens, 30 layers
-  a pass, the rows being the sequences.
+  a pass, the rows being the sequences;
+- prefill: prompt attention of 8 fresh prompts from a bfloat16 cache, 30 layers a pass,
+  the rows being each prompt's tokens.
 
 The two versions alternate pass by pass (drift hits both alike); medians of `--rounds`.
 Each pair of outputs is compared: a kernel change meant to keep its results shows 0 in
@@ -54,7 +56,13 @@ from worker.model.native import (
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of a layer's matmuls
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's attention
-DEFAULT_ROWS = {"int16": "1,4,8,16,32,64,256", "rows": "1,4,8,16,32,64,128", "decode": "8,32,64"}
+DEFAULT_ROWS = {
+    "int16": "1,4,8,16,32,64,256",
+    "rows": "1,4,8,16,32,64,128",
+    "decode": "8,32,64",
+    "prefill": "64,256",
+}
+PROMPTS = 8  # prompts a prefill pass attends, each its own sequence
 
 # one pass of an op; its outputs appended to the list where one is given (else dropped,
 # as a step drops a layer's once the next has run)
@@ -66,7 +74,7 @@ class Case:
     op: str
     rows: int
     run: Pass
-    gop: float  # work in a pass: 1e9 operations (matmuls) or 0 (attention)
+    gop: float  # work in a pass: 1e9 operations (0: not counted)
 
 
 def kernels_at(rev: str, into: Path) -> Path:
@@ -159,6 +167,42 @@ def decode_cases(rows: list[int], layers: int) -> list[Case]:
     return cases
 
 
+def prefill_cases(rows: list[int], layers: int) -> list[Case]:
+    g = torch.Generator().manual_seed(2)
+    cases = []
+    for T in rows:
+        per_seq = -(-T // BLOCK)
+        blocks = PROMPTS * per_seq
+        caches = [
+            tuple(
+                torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16)
+                for _ in range(2)
+            )
+            for _ in range(layers)
+        ]
+        tables = torch.randperm(blocks, generator=g).to(torch.int32).view(PROMPTS, per_seq)
+        qs = torch.randn(PROMPTS, T, HEADS, HEAD_DIM, generator=g)
+
+        def run(
+            k: NativeKernels,
+            keep: list[torch.Tensor] | None,
+            qs: torch.Tensor = qs,
+            caches: list[tuple[torch.Tensor, ...]] = caches,
+            tables: torch.Tensor = tables,
+        ) -> None:
+            for kc, vc in caches:
+                for p in range(PROMPTS):
+                    out = torch.empty_like(qs[p])
+                    k.prefill_attention(qs[p], kc, vc, tables[p], 0, out, HEAD_DIM**-0.5)
+                    if keep is not None:
+                        keep.append(out)
+
+        # causal: each of H heads' T x T / 2 scores and as many value products
+        gop = PROMPTS * layers * HEADS * T * (T + 1) / 2 * HEAD_DIM * 4 / 1e9
+        cases.append(Case("prefill", T, run, gop))
+    return cases
+
+
 def pass_ms(run: Pass, ops: NativeKernels, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -172,7 +216,7 @@ def main() -> None:
     )
     ap.add_argument("--base", required=True, help="git revision of the kernels before")
     ap.add_argument("--head", default=None, help="git revision after (default: this tree)")
-    ap.add_argument("--ops", default=None, help="int16,rows,decode (default: those built)")
+    ap.add_argument("--ops", default=None, help="int16,rows,decode,prefill (default: those built)")
     ap.add_argument("--rows", default=None, help="rows (sequences for decode) for every op")
     ap.add_argument("--march", default="native", help="the kernels' -march (default: this CPU)")
     ap.add_argument("--layers", type=int, default=30)
@@ -193,6 +237,7 @@ def main() -> None:
             ("int16", head.int16_built),
             ("rows", head.matmul_rows_built),
             ("decode", True),
+            ("prefill", True),
         )
         if ok
     ]
@@ -205,6 +250,8 @@ def main() -> None:
         rows = [int(r) for r in (args.rows or DEFAULT_ROWS[op]).split(",")]
         if op == "decode":
             cases += decode_cases(rows, args.layers)
+        elif op == "prefill":
+            cases += prefill_cases(rows, args.layers)
         else:
             cases += matmul_cases(op, head, rows, args.layers)
     results = []
