@@ -90,7 +90,10 @@ def kernels_at(rev: str, into: Path) -> Path:
 
 
 def load(kernels: Path, march: str, name: str) -> NativeKernels:
-    loaded = load_native(march=march, kernels=kernels)
+    try:
+        loaded = load_native(march=march, kernels=kernels)
+    except AttributeError as e:  # ctypes: an entry point this tree's loader sets up
+        sys.exit(f"{name}: its kernels' entry points differ from this tree's ({e})")
     if loaded.kernels is None:
         sys.exit(f"{name}: {loaded.reason}")
     return loaded.kernels
