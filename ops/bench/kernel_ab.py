@@ -82,10 +82,11 @@ def kernels_at(rev: str, into: Path) -> Path:
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "worker/model/kernels"],
         capture_output=True,
-        check=True,
-    ).stdout
+    )
+    if archive.returncode != 0:
+        sys.exit(f"no kernels at revision {rev!r}: {archive.stderr.decode().strip()}")
     into.mkdir(parents=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into / "worker" / "model" / "kernels"
 
 

@@ -58,3 +58,16 @@ def test_the_same_kernels_on_both_sides_give_the_same_outputs(tmp_path: Path) ->
             assert r["max_abs_diff"] == 0, r
     assert "| op | rows |" in (out / "kernel_ab.md").read_text()
     assert (out / "kernel_ab.png").stat().st_size > 0
+
+
+def test_a_revision_that_is_not_there_is_named(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ops/bench/kernel_ab.py"), "--base", "no-such-rev-kvflow"]
+        + ["--out", str(tmp_path / "ab")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "no kernels at revision 'no-such-rev-kvflow'" in proc.stderr
+    assert not (tmp_path / "ab").exists()
