@@ -63,6 +63,7 @@ DEFAULT_ROWS = {
     "prefill": "64,256",
 }
 PROMPTS = 8  # prompts a prefill pass attends, each its own sequence
+CONTEXT = (200, 300)  # the decode sequences' cached keys, least and most
 
 # one pass of an op; its outputs appended to the list where one is given (else dropped,
 # as a step drops a layer's once the next has run)
@@ -135,22 +136,32 @@ def matmul_cases(op: str, ops: NativeKernels, rows: list[int], layers: int) -> l
     return cases
 
 
+def paged_caches(
+    seqs: int, keys: int, layers: int, g: torch.Generator
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """`layers` layers' bfloat16 K and V caches [blocks, KVH, BS, D] for `seqs` sequences of
+    up to `keys` keys, and their block tables [seqs, blocks a sequence] int32: the blocks
+    scattered, as a long-running cache holds them."""
+    per_seq = -(-keys // BLOCK)
+    blocks = seqs * per_seq
+    shape = (blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    caches = [
+        (
+            torch.randn(shape, generator=g).to(torch.bfloat16),
+            torch.randn(shape, generator=g).to(torch.bfloat16),
+        )
+        for _ in range(layers)
+    ]
+    tables = torch.randperm(blocks, generator=g).to(torch.int32).view(seqs, per_seq)
+    return caches, tables
+
+
 def decode_cases(rows: list[int], layers: int) -> list[Case]:
     g = torch.Generator().manual_seed(1)
     cases = []
     for n in rows:
-        lens = torch.randint(200, 301, (n,), generator=g, dtype=torch.int32)
-        per_seq = -(-300 // BLOCK)
-        blocks = n * per_seq
-        caches = [
-            (
-                torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16),
-                torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16),
-            )
-            for _ in range(layers)
-        ]
-        # scattered blocks, as a long-running cache holds them
-        tables = torch.randperm(blocks, generator=g).to(torch.int32).view(n, per_seq)
+        lens = torch.randint(CONTEXT[0], CONTEXT[1] + 1, (n,), generator=g, dtype=torch.int32)
+        caches, tables = paged_caches(n, CONTEXT[1], layers, g)
         q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
 
         def run(
@@ -175,23 +186,14 @@ def prefill_cases(rows: list[int], layers: int) -> list[Case]:
     g = torch.Generator().manual_seed(2)
     cases = []
     for T in rows:
-        per_seq = -(-T // BLOCK)
-        blocks = PROMPTS * per_seq
-        caches = [
-            tuple(
-                torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16)
-                for _ in range(2)
-            )
-            for _ in range(layers)
-        ]
-        tables = torch.randperm(blocks, generator=g).to(torch.int32).view(PROMPTS, per_seq)
+        caches, tables = paged_caches(PROMPTS, T, layers, g)
         qs = torch.randn(PROMPTS, T, HEADS, HEAD_DIM, generator=g)
 
         def run(
             k: NativeKernels,
             keep: list[torch.Tensor] | None,
             qs: torch.Tensor = qs,
-            caches: list[tuple[torch.Tensor, ...]] = caches,
+            caches: list[tuple[torch.Tensor, torch.Tensor]] = caches,
             tables: torch.Tensor = tables,
         ) -> None:
             for kc, vc in caches:

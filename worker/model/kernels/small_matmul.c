@@ -258,7 +258,7 @@ static void vector_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, in
         const int lo = (int)((long)blocks * id / nt), hi = (int)((long)blocks * (id + 1) / nt);
         /* the row tiles after a panel's first ask for the next panel (its blocks follow
          * on: one stream), where there are two whole tiles or more */
-        const int later = M >= 2 * TR ? (M + TR - 1) / TR - 1 : 0;
+        const int tiles = (M + TR - 1) / TR, ahead = M >= 2 * TR;
         const int tc = M <= FEW ? TC_FEW : TC; /* a step of few rows: wider panels */
         for (int b = lo; b < hi; b += tc) {
             const int cb = hi - b < tc ? hi - b : tc;
@@ -268,8 +268,8 @@ static void vector_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, in
             for (int r0 = 0, t = 0; r0 < M; r0 += TR, t++) {
                 const char *next = NULL;
                 size_t ask = 0;
-                if (t > 0 && later > 0 && nb > 0) /* tile t asks for share t - 1 */
-                    next = next_share(panel, bytes, t, later + 1, &ask);
+                if (ahead && t > 0 && nb > 0) /* tile t asks for share t - 1 */
+                    next = next_share(panel, bytes, t, tiles, &ask);
                 any_tile(x, wp, out, M - r0 < TR ? M - r0 : TR, cb, P, N, r0, b, next, ask);
             }
         }
