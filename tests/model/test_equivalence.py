@@ -156,13 +156,24 @@ def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> 
         "flash": "prefill attention by the C prompt kernel, in place",
     }.get(prefill_attention, f"in {prefill_attention}")
     assert shown in runner.info.attention
-    toks = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    first = runner.all_logits([_sched("x", toks, 0, 12, list(range(5)))])["x"]
-    got = torch.cat([first, runner.all_logits([_sched("x", toks, 12, 8, list(range(5)))])["x"]])
-    want = _ref_logits(ref, toks)
-    # bf16 keeps ~3 significant digits; both sides round differently in places.
-    assert (got - want).abs().max() < 0.1 * want.abs().max()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, 49152, (20,), generator=g).tolist()
+    other = torch.randint(0, 49152, (11,), generator=g).tolist()
+    first = runner.all_logits(
+        [_sched("x", toks, 0, 12, list(range(5))), _sched("y", other, 0, 10, [8, 9, 10])]
+    )
+    # A mixed step: y's decode row comes first, x's second chunk after it.
+    second = runner.all_logits(
+        [_sched("x", toks, 12, 8, list(range(5))), _sched("y", other, 10, 1, [8, 9, 10])]
+    )
+    for got, want in [
+        (torch.cat([first["x"], second["x"]]), _ref_logits(ref, toks)),
+        (torch.cat([first["y"], second["y"]]), _ref_logits(ref, other)),
+    ]:
+        # bf16 keeps ~3 significant digits; both sides round differently in places.
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 0.1 * want.abs().max()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
 # Qwen3's head dim 32 holds two of an int8 cache's key groups (the others' 16, one).

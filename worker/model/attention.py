@@ -265,18 +265,23 @@ def paged_attention(
         out[g.start : g.end] = torch.bmm(probs, vg).view(n, H, D)
 
     # SDPA's inputs in the prefill dtype where one is set: each of q, k and v cast once for
-    # the step's rows (a contiguous pass) rather than per prompt through a transposed view
+    # the prompt rows, which follow the decode rows (a contiguous pass from the first
+    # prompt's row `base`), rather than per prompt through a transposed view. A prefill
+    # dtype and the C prompt kernel are never set together.
+    base = 0
     narrow = meta.prefill_dtype
-    if narrow is not None and any(p.block_table is None for p in meta.prefills):
-        q = q.to(narrow)
-        k = None if k is None else k.to(narrow)
-        v = None if v is None else v.to(narrow)
+    if narrow is not None and meta.prefills:
+        base = meta.prefills[0].start
+        q = q[base:].to(narrow)
+        k = None if k is None else k[base:].to(narrow)
+        v = None if v is None else v[base:].to(narrow)
     for p in meta.prefills:
+        lo, hi = p.start - base, p.end - base  # q's (and k's, v's) rows from base on
         if p.block_table is not None:
             assert meta.prefill_kernels is not None, "a block table is for the C prompt kernel"
             # float32 in and out: q as the C rotary op made it, else a copy; out's rows
             # directly where they are float32 (contiguous, as `out` is)
-            qc = q[p.start : p.end].float().contiguous()
+            qc = q[lo:hi].float().contiguous()
             direct = out.dtype == torch.float32
             oc = out[p.start : p.end] if direct else torch.empty_like(qc)
             meta.prefill_kernels.prefill_attention(
@@ -285,11 +290,11 @@ def paged_attention(
             if not direct:
                 out[p.start : p.end] = oc
             continue
-        qp = q[p.start : p.end].transpose(0, 1)  # [H, L, D]
+        qp = q[lo:hi].transpose(0, 1)  # [H, L, D]
         if p.gather_index is None:
             assert k is not None and v is not None, "a fresh prompt chunk attends to its own K/V"
-            kp = k[p.start : p.end].transpose(0, 1)  # [KVH, L, D]
-            vp = v[p.start : p.end].transpose(0, 1)
+            kp = k[lo:hi].transpose(0, 1)  # [KVH, L, D]
+            vp = v[lo:hi].transpose(0, 1)
         else:
             total = p.num_context + (p.end - p.start)
             kp = _gather(ws, "k", k_runs, p.gather_index).view(kvh, -1, k_row)[:, :total]
