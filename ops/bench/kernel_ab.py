@@ -45,7 +45,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from worker.hardware import advise_huge_pages, keep_freed_memory
+from worker.engine.model_runner import cache_tensor
+from worker.hardware import keep_freed_memory
 from worker.model.native import (
     KERNELS,
     NativeKernels,
@@ -141,15 +142,14 @@ def paged_caches(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """`layers` layers' bfloat16 K and V caches [blocks, KVH, BS, D] for `seqs` sequences of
     up to `keys` keys, and their block tables [seqs, blocks a sequence] int32: the blocks
-    scattered, as a long-running cache holds them, on 2 MB pages where Linux gives them,
-    as the engine asks for its cache's (`advise_huge_pages`)."""
+    scattered, as a long-running cache holds them, allocated as the engine allocates its
+    cache (`cache_tensor`: 2 MB pages where Linux gives them)."""
     per_seq = -(-keys // BLOCK)
     blocks = seqs * per_seq
     shape = (blocks, KV_HEADS, BLOCK, HEAD_DIM)
 
     def cache() -> torch.Tensor:
-        t = torch.empty(shape, dtype=torch.bfloat16)
-        advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+        t = cache_tensor(shape, torch.bfloat16, torch.device("cpu"))
         return t.copy_(torch.randn(shape, generator=g))
 
     caches = [(cache(), cache()) for _ in range(layers)]

@@ -133,6 +133,16 @@ def step_weight_bytes(model: LlamaForCausalLM) -> int:
     return total + head.numel() * head.element_size()
 
 
+def cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's K or V cache [blocks, KV heads, block size, D], zeroed (padded
+    attention reads unwritten slots: masked, but 0 * NaN is NaN). On CPU it asks for
+    2 MB pages before the zeroing first touches it (`advise_huge_pages`)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type == "cpu":
+        advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t.zero_()
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel, dtype_reason: str = "as loaded"
@@ -216,8 +226,8 @@ class ModelRunner:
         blocks = (num_blocks, mcfg.num_kv_heads, self.block_size)
         self.kv_caches = [
             (
-                self._cache_tensor((*blocks, k_row), self.kv_dtype),
-                self._cache_tensor((*blocks, v_row), self.v_dtype),
+                cache_tensor((*blocks, k_row), self.kv_dtype, self.device),
+                cache_tensor((*blocks, v_row), self.v_dtype, self.device),
             )
             for _ in range(mcfg.num_layers)
         ]
@@ -304,15 +314,6 @@ class ModelRunner:
     def cache_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """The keys' cache dtype and the values'."""
         return self.kv_dtype, self.v_dtype
-
-    def _cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """One layer's K or V cache [blocks, KV heads, block size, D], zeroed (padded
-        attention reads unwritten slots: masked, but 0 * NaN is NaN). On CPU it asks for
-        2 MB pages before the zeroing first touches it (`advise_huge_pages`)."""
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        if t.device.type == "cpu":
-            advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-        return t.zero_()
 
     def _kv_budget(self, config: EngineConfig) -> int:
         if config.kv_cache_bytes is not None:
