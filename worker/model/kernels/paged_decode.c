@@ -84,7 +84,7 @@
 #define EO_MAX 2048 /* G * D of the query heads split even / odd, on the stack (AVX2) */
 #define MAX_VECTOR_ACC 24 /* value accumulators kept in registers (of 32 AVX-512 ones) */
 
-/* What a cache holds (a literal wherever the kernel is inlined): float32, bfloat16, or
+/* What a cache holds (the entry point's, read at run time): float32, bfloat16, or
  * int8 rows of D values followed by their float32 scales: one for the whole row (KV_I8,
  * values), or one per I8_KEY_GROUP values (KV_I8G, keys; one per row where D is not a
  * multiple of it). Keys rounded per row cost next-token agreement, values do not: see
@@ -118,7 +118,7 @@ static inline __attribute__((always_inline)) void ask_lines(const char *next, si
  * a bfloat16 one, widened into `wide` (a bf16 value is the top half of a float32); for an
  * int8 one, dequantized into `wide`. Widening a whole run once, rather than each value for
  * each of the G query heads that read it, keeps the inner loops plain float32 FMAs. kind
- * is a compile-time constant wherever this is inlined, so the tests fold away.
+ * is tested once a run, not once a value.
  *
  * `next` (NULL: none) is a run to be read later, of rows of `next_row` bytes (the keys'
  * or the values': the two caches' rows may differ), asked into the cache meanwhile, the
@@ -431,10 +431,13 @@ static inline const char *run_at(const void *cache, size_t row, const int32_t *t
     return (const char *)cache + (((size_t)table[t / BS] * KVH + h) * BS) * row;
 }
 
-/* One (sequence, KV head) pair. G, D and the two caches' kinds are parameters of an
- * always-inlined function, called with literals below: with them known at compile time
- * the dot products and the value updates unroll into whole-vector FMAs. scores: [G, m] scratch, acc: [G, D],
- * wide: [BS, D] (a bf16 or int8 block run widened). */
+/* One (sequence, KV head) pair. G and D are parameters of an always-inlined function,
+ * called with literals below (the shape functions): with them known at compile time the
+ * dot products and the value updates unroll into whole-vector FMAs. The two caches' kinds
+ * are read at run time, tested once a run or a block: each entry point's kinds as
+ * literals too (a parallel region of its own) took the same time (`kernel_ab.py --ops
+ * decode`: 1.01x / 1.005x at 16 / 64 rows, AMD EPYC Zen 3) for twice the build's.
+ * scores: [G, m] scratch, acc: [G, D], wide: [BS, D] (a bf16 or int8 block run widened). */
 static inline __attribute__((always_inline)) void
 attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_cache,
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
@@ -702,33 +705,60 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
     }
 }
 
+/* A pair's arguments to attend_pair but its shape (G, D). */
+struct pair {
+    const float *qh;
+    float *o;
+    const void *k_cache, *v_cache;
+    const int32_t *table;
+    int first, len, h, KVH, kind_k, kind_v, BS;
+    float scale;
+    float *scores, *acc, *wide;
+    const char *const *then;
+};
+
 /* The pair's work with the head size D and the group size G as literals where they are
  * common (D 64 or 128; G 1 to 8: MHA and the usual GQA groups), so the compiler unrolls
  * the loops over G and keeps the G query rows and accumulators in vector registers; any
- * other shape takes the same code with runtime sizes. */
-#define ATTEND(GV, DV)                                                                   \
-    attend_pair(qh, o, k_cache, v_cache, table, first, len, h, KVH, GV, DV, kind_k, kind_v, \
-                BS, scale, scores, acc, wide, then)
-#define ATTEND_G(DV)              \
-    switch (G) {                  \
-    case 1: ATTEND(1, DV); break; \
-    case 2: ATTEND(2, DV); break; \
-    case 3: ATTEND(3, DV); break; \
-    case 4: ATTEND(4, DV); break; \
-    case 5: ATTEND(5, DV); break; \
-    case 6: ATTEND(6, DV); break; \
-    case 7: ATTEND(7, DV); break; \
-    case 8: ATTEND(8, DV); break; \
-    default: ATTEND(G, DV);       \
+ * other shape takes the same code with runtime sizes (pair_any). Each shape is a function
+ * of its own: inlined into the parallel region, the shapes made one function of 238 KB
+ * that took 45 s of the library's 48 s build (AMD EPYC Zen 3; 9 s now), gcc's passes over
+ * a function growing faster than its size. A call a pair costs nothing beside its work. */
+#define PAIR_FN(GV, DV)                                                                     \
+    static __attribute__((noinline)) void pair_##GV##_##DV(const struct pair *p) {          \
+        attend_pair(p->qh, p->o, p->k_cache, p->v_cache, p->table, p->first, p->len, p->h,   \
+                    p->KVH, GV, DV, p->kind_k, p->kind_v, p->BS, p->scale, p->scores, p->acc, \
+                    p->wide, p->then);                                                       \
     }
-#define ATTEND_D(DV)       \
-    if (DV == 64) {        \
-        ATTEND_G(64)       \
-    } else if (DV == 128) { \
-        ATTEND_G(128)      \
-    } else {               \
-        ATTEND(G, DV);     \
-    }
+PAIR_FN(1, 64)
+PAIR_FN(2, 64)
+PAIR_FN(3, 64)
+PAIR_FN(4, 64)
+PAIR_FN(5, 64)
+PAIR_FN(6, 64)
+PAIR_FN(7, 64)
+PAIR_FN(8, 64)
+PAIR_FN(1, 128)
+PAIR_FN(2, 128)
+PAIR_FN(3, 128)
+PAIR_FN(4, 128)
+PAIR_FN(5, 128)
+PAIR_FN(6, 128)
+PAIR_FN(7, 128)
+PAIR_FN(8, 128)
+
+static __attribute__((noinline)) void pair_any(const struct pair *p, int G, int D) {
+    attend_pair(p->qh, p->o, p->k_cache, p->v_cache, p->table, p->first, p->len, p->h, p->KVH,
+                G, D, p->kind_k, p->kind_v, p->BS, p->scale, p->scores, p->acc, p->wide,
+                p->then);
+}
+
+typedef void (*pair_fn)(const struct pair *);
+static const pair_fn PAIR_SHAPES[2][8] = {
+    {pair_1_64, pair_2_64, pair_3_64, pair_4_64, pair_5_64, pair_6_64, pair_7_64, pair_8_64},
+    {pair_1_128, pair_2_128, pair_3_128, pair_4_128, pair_5_128, pair_6_128, pair_7_128,
+     pair_8_128},
+};
 
 static inline __attribute__((always_inline)) int
 paged_decode(const float *q, const void *k_cache, const void *v_cache,
@@ -794,7 +824,11 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
                 const size_t at = ((size_t)i * H + (size_t)h * G) * D;
                 float *o = out_bf16 ? res : (float *)out + at;
-                ATTEND_D(D);
+                const struct pair p = {qh,    o,      k_cache, v_cache, table,  first,
+                                       len,   h,      KVH,     kind_k,  kind_v, BS,
+                                       scale, scores, acc,     wide,    then};
+                if ((D == 64 || D == 128) && G <= 8) PAIR_SHAPES[D == 128][G - 1](&p);
+                else pair_any(&p, G, D);
                 uint16_t *ob = (uint16_t *)out + at;
                 for (int e = 0; out_bf16 && e < G * D; e++) ob[e] = to_bf16(res[e]);
             }
