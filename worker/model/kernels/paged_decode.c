@@ -827,7 +827,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 const struct pair p = {qh,    o,      k_cache, v_cache, table,  first,
                                        len,   h,      KVH,     kind_k,  kind_v, BS,
                                        scale, scores, acc,     wide,    then};
-                if ((D == 64 || D == 128) && G <= 8) PAIR_SHAPES[D == 128][G - 1](&p);
+                if ((D == 64 || D == 128) && G >= 1 && G <= 8) PAIR_SHAPES[D == 128][G - 1](&p);
                 else pair_any(&p, G, D);
                 uint16_t *ob = (uint16_t *)out + at;
                 for (int e = 0; out_bf16 && e < G * D; e++) ob[e] = to_bf16(res[e]);
