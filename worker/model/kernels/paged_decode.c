@@ -724,11 +724,15 @@ struct pair {
  * of its own: inlined into the parallel region, the shapes made one function of 238 KB
  * that took 45 s of the library's 48 s build (AMD EPYC Zen 3; 9 s now), gcc's passes over
  * a function growing faster than its size. A call a pair costs nothing beside its work. */
-#define PAIR_FN(GV, DV)                                                                     \
-    static __attribute__((noinline)) void pair_##GV##_##DV(const struct pair *p) {          \
-        attend_pair(p->qh, p->o, p->k_cache, p->v_cache, p->table, p->first, p->len, p->h,   \
-                    p->KVH, GV, DV, p->kind_k, p->kind_v, p->BS, p->scale, p->scores, p->acc, \
-                    p->wide, p->then);                                                       \
+static inline __attribute__((always_inline)) void attend(const struct pair *p, const int G,
+                                                         const int D) {
+    attend_pair(p->qh, p->o, p->k_cache, p->v_cache, p->table, p->first, p->len, p->h, p->KVH,
+                G, D, p->kind_k, p->kind_v, p->BS, p->scale, p->scores, p->acc, p->wide,
+                p->then);
+}
+#define PAIR_FN(GV, DV)                                                    \
+    static __attribute__((noinline)) void pair_##GV##_##DV(const struct pair *p) { \
+        attend(p, GV, DV);                                                 \
     }
 PAIR_FN(1, 64)
 PAIR_FN(2, 64)
@@ -748,9 +752,7 @@ PAIR_FN(7, 128)
 PAIR_FN(8, 128)
 
 static __attribute__((noinline)) void pair_any(const struct pair *p, int G, int D) {
-    attend_pair(p->qh, p->o, p->k_cache, p->v_cache, p->table, p->first, p->len, p->h, p->KVH,
-                G, D, p->kind_k, p->kind_v, p->BS, p->scale, p->scores, p->acc, p->wide,
-                p->then);
+    attend(p, G, D);
 }
 
 typedef void (*pair_fn)(const struct pair *);
