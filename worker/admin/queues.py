@@ -136,7 +136,15 @@ async def _counts_rabbitmqctl(vhost: str, queue: str) -> tuple[int, int]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await proc.communicate()
+    try:
+        out, err = await proc.communicate()
+    except BaseException:
+        # Cancelled (a caller's timeout, shutdown): a child left running would outlive
+        # the call, its pipes open, and be found by the garbage collector much later.
+        if proc.returncode is None:
+            proc.kill()
+        await proc.communicate()
+        raise
     if proc.returncode != 0:
         raise RuntimeError(
             f"rabbitmqctl list_queues failed ({proc.returncode}): {err.decode().strip()}"
