@@ -136,6 +136,19 @@ def _bf16_bar() -> float:
     return 0.99 if fast_bf16(read_cpu_flags(), read_cpu_vendor()) else 0.985
 
 
+def _bf16_sample(
+    ids: list[list[int]], outs: list[list[int]]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts bfloat16 decode steps are held to: all 32 where the CPU multiplies
+    bfloat16 natively; where it emulates them, the first 16 (1,024 positions), enough for
+    the 98.5% bar that catches a broken cast. Emulated bfloat16 layers run several times
+    slower than float32 (~65 s a cache for 32 prompts on the AMD EPYC Zen 3: the suite's
+    largest cost there), on a path `auto` never takes."""
+    if fast_bf16(read_cpu_flags(), read_cpu_vendor()):
+        return ids, outs
+    return ids[:16], outs[:16]
+
+
 def _decode_logits(
     runner: ModelRunner, ids: list[list[int]], outs: list[list[int]], batch: int = 16
 ) -> dict[tuple[int, int], torch.Tensor]:
@@ -222,7 +235,7 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
     what `auto` takes there; int8 keys, explicit only (their agreement moves by several
     positions with any change to the arithmetic, as near the bar as it sits), are held to
     98.5%, which one scale a key row would miss."""
-    ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
+    ids, outs = _bf16_sample(*_float32_greedy(AGREEMENT_PROMPTS))
     cfg = EngineConfig(
         num_kv_blocks=AGREEMENT_BLOCKS, kv_cache_dtype=kv_cache_dtype, attention="native"
     )
@@ -230,7 +243,7 @@ def test_bfloat16_decode_agrees_with_float32(default_model_dir, kv_cache_dtype: 
     assert bf16.cache_dtypes == cache_dtypes(kv_cache_dtype)
     agree, total = _decode_agreement(bf16, ids, outs)
     print(f"{kv_cache_dtype} cache: {agree}/{total}")
-    assert total == 64 * len(AGREEMENT_PROMPTS)
+    assert total == 64 * len(ids)
     bar = 0.985 if kv_cache_dtype == "int8" else _bf16_bar()
     assert agree / total >= bar, f"{kv_cache_dtype} cache: {agree}/{total} next tokens agree"
 
@@ -248,7 +261,7 @@ def test_bfloat16_decode_through_the_row_kernel_does_not_depend_on_the_batch(
     agreement with float32 holds the bar (98.5% where bfloat16 is emulated, as above).
     With the kernel set aside (oneDNN, whose blocking follows the row count) the picks
     still clear the bar."""
-    ids, outs = _float32_greedy(AGREEMENT_PROMPTS)
+    ids, outs = _bf16_sample(*_float32_greedy(AGREEMENT_PROMPTS))
     cfg = EngineConfig(num_kv_blocks=AGREEMENT_BLOCKS, attention="native")
     bf16 = ModelRunner(cfg, load_model(str(default_model_dir), dtype="bfloat16"))
     has_kernel = bf16.native is not None and bf16.native.matmul_rows_built
@@ -256,7 +269,7 @@ def test_bfloat16_decode_through_the_row_kernel_does_not_depend_on_the_batch(
     by4 = _decode_logits(bf16, ids, outs, batch=4)
     agree = sum(int(row.argmax()) == outs[i][k] for (i, k), row in by4.items())
     print(f"decode steps of 4 (row kernel: {has_kernel}): {agree}/{len(by4)}")
-    assert len(by4) == 64 * len(AGREEMENT_PROMPTS)
+    assert len(by4) == 64 * len(ids)
     assert agree / len(by4) >= _bf16_bar(), f"{agree}/{len(by4)} next tokens agree"
     if has_kernel:
         by16 = _decode_logits(bf16, ids, outs, batch=16)
