@@ -141,9 +141,10 @@ async def _counts_rabbitmqctl(vhost: str, queue: str) -> tuple[int, int]:
     except BaseException:
         # Cancelled (a caller's timeout, shutdown): a child left running would outlive
         # the call, its pipes open, and be found by the garbage collector much later.
+        # Shielded, so that a second cancel cannot stop the reaping half way.
         if proc.returncode is None:
             proc.kill()
-        await proc.communicate()
+        await asyncio.shield(proc.communicate())
         raise
     if proc.returncode != 0:
         raise RuntimeError(
