@@ -129,11 +129,16 @@ def _scheduled(ids: list[list[int]], outs: list[list[int]], i: int, start: int, 
     )
 
 
+def _native_bf16() -> bool:
+    """Whether `auto` would choose bfloat16 layers on this CPU (it multiplies them natively)."""
+    return fast_bf16(read_cpu_flags(), read_cpu_vendor())
+
+
 def _bf16_bar() -> float:
     """The agreement bf16 layers are held to: `auto`'s bar where auto would choose them
     (`fast_bf16`), 98.5% where bf16 is emulated or no faster than float32 and only ever
     asked for."""
-    return 0.99 if fast_bf16(read_cpu_flags(), read_cpu_vendor()) else 0.985
+    return 0.99 if _native_bf16() else 0.985
 
 
 def _bf16_sample(
@@ -144,7 +149,7 @@ def _bf16_sample(
     bar that catches a broken cast. Emulated bfloat16 layers run several times slower than
     float32, on a path `auto` never takes: ~65 s a cache's decode test over 32 prompts on
     the AMD EPYC Zen 3, the suite's largest cost there."""
-    if fast_bf16(read_cpu_flags(), read_cpu_vendor()):
+    if _native_bf16():
         return ids, outs
     return ids[:16], outs[:16]
 
