@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import click
 
 from worker.config import EngineConfig, parse_size, parse_weights
-from worker.hardware import KV_CACHE_DTYPES
+from worker.hardware import KEY_LAYOUTS, KV_CACHE_DTYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -131,6 +131,15 @@ def engine_options(fn: F) -> F:
             "bfloat16-int8 (bfloat16 keys, int8 values) 2.6x.",
         ),
         click.option(
+            "--key-layout",
+            type=click.Choice(list(KEY_LAYOUTS)),
+            default=None,
+            help="Layout of a bfloat16 keys' cache block (CPU): rows, or pairs (each pair of "
+            "dimensions of the block's keys together, which the C decode kernel scores "
+            "without sums across lanes); auto takes pairs on a CPU with AMX where decode "
+            "reads bfloat16 keys in place.",
+        ),
+        click.option(
             "--tune-batch/--no-tune-batch",
             default=None,
             help="Measure decode tok/s by batch size at start-up and run at most the "
@@ -167,6 +176,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "num_threads": kw.pop("threads", None),
         "attention": kw.pop("attention", None),
         "kv_cache_dtype": kw.pop("kv_cache_dtype", None),
+        "key_layout": kw.pop("key_layout", None),
         "prefill_attention": kw.pop("prefill_attention", None),
         "linear": kw.pop("linear", None),
         "tune_batch": kw.pop("tune_batch", None),
@@ -233,7 +243,8 @@ def run_batch(
         f"kvflow: {info.model_name} on {info.device} ({info.dtype}: {info.dtype_reason}; "
         f"{info.num_threads} threads; linear layers: {info.linear}; attention: {info.attention}), "
         f"{info.num_blocks} KV blocks "
-        f"x {info.block_size} tokens in {info.kv_cache_dtype}, {config.scheduling} scheduling",
+        f"x {info.block_size} tokens in {info.kv_cache_dtype}, keys as {info.key_layout}, "
+        f"{config.scheduling} scheduling",
         err=True,
     )
     if engine.operating_point is not None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from worker.hardware import KV_CACHE_DTYPES, PREFILL_ATTENTION_DTYPES
+from worker.hardware import KEY_LAYOUTS, KV_CACHE_DTYPES, PREFILL_ATTENTION_DTYPES
 from worker.limits import QUEUE_DEFAULT_MAX_TOKENS
 
 Policy = Literal["fcfs", "priority", "fair"]
@@ -85,6 +85,12 @@ class EngineConfig:
     # the activations' elsewhere; bfloat16 holds twice the blocks in the same memory
     # (worker.hardware.choose_kv_dtype).
     kv_cache_dtype: str = "auto"
+    # How a bfloat16 keys' cache lays out a block: "rows" (a key's D values together) or
+    # "pairs" (each pair of dimensions of a block's keys together, [D / 2, block_size, 2]
+    # a head: the C decode kernel scores 16 keys a vector without sums across lanes);
+    # "auto" takes pairs behind bfloat16 keys read in place on a CPU with AMX
+    # (worker.hardware.choose_key_layout).
+    key_layout: str = "auto"
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
     # "float32" on the activations, "native" the C decode kernel in place, a query row at
     # a time, "flash" the C prompt kernel in place, tiles of queries at a time; "auto"
@@ -168,6 +174,8 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.key_layout not in KEY_LAYOUTS:
+            bad(f"key_layout must be one of {KEY_LAYOUTS}, got {self.key_layout!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
@@ -249,6 +257,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "num_threads": int,
     "attention": str,
     "kv_cache_dtype": str,
+    "key_layout": str,
     "prefill_attention": str,
     "linear": str,
     "tune_batch": _bool,

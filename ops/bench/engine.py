@@ -53,7 +53,7 @@ from workload import Workload, make_longtail_workload, make_workload
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.outputs import StepStats
-from worker.hardware import KV_CACHE_DTYPES
+from worker.hardware import KEY_LAYOUTS, KV_CACHE_DTYPES
 from worker.request import SamplingParams, percentile
 
 # prompt steps profiled with --profile (prompts x tokens, prefilled in one step each):
@@ -345,6 +345,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS, help="CPU linear layers")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--key-layout", default="auto", choices=KEY_LAYOUTS)
     ap.add_argument("--workload", choices=("mixed", "longtail"), default="mixed")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--llama-slots", default="1,2,4,8,16")
@@ -361,6 +362,7 @@ def main() -> None:
         dtype=args.dtype,
         linear=args.linear,
         kv_cache_dtype=args.kv_cache_dtype,
+        key_layout=args.key_layout,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -374,7 +376,7 @@ def main() -> None:
         f"workload {args.workload}: {wl.describe()}; {cpu}; kvflow {engine.info.dtype} "
         f"({engine.info.dtype_reason}), {engine.info.num_threads} threads, "
         f"linear layers {engine.info.linear}, attention {engine.info.attention}, "
-        f"KV cache {engine.info.kv_cache_dtype}",
+        f"KV cache {engine.info.kv_cache_dtype}, keys as {engine.info.key_layout}",
         file=sys.stderr,
     )
     warm = Workload(wl.prompts[:2], [4, 4])
@@ -396,7 +398,15 @@ def main() -> None:
 
     def kv(mode: str, attention: str = "auto", name: str = "") -> Result:
         eng = LLMEngine(
-            EngineConfig(**{**asdict(cfg), "scheduling": mode, "attention": attention}),
+            EngineConfig(
+                **{
+                    **asdict(cfg),
+                    "scheduling": mode,
+                    "attention": attention,
+                    # keys in pairs are for the C kernel; the gather path reads rows
+                    "key_layout": cfg.key_layout if attention == "auto" else "rows",
+                }
+            ),
             loaded=engine.loaded,
         )
         run_kvflow(eng, warm, "warmup")
@@ -458,7 +468,8 @@ def main() -> None:
         step_profile.plot_curve(curve, choice, args.out / "batch_curve.png")
         if "kvflow-gather" in systems:  # the same steps with the gather path, for the split
             gather = LLMEngine(
-                EngineConfig(**{**asdict(cfg), "attention": "torch"}), loaded=engine.loaded
+                EngineConfig(**{**asdict(cfg), "attention": "torch", "key_layout": "rows"}),
+                loaded=engine.loaded,
             )
             gather_rows = step_profile.run(
                 gather, (64,), lambda m: print(m + " (gather)", file=sys.stderr)
@@ -466,7 +477,7 @@ def main() -> None:
             gather_label = step_profile.limit_label(gather)
 
     base = "kvflow-continuous"
-    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, linear layers {engine.info.linear}, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}.\n\n"
+    md = f"Workload {args.workload}: {wl.describe()}. CPU: {cpu}. kvflow dtype {engine.info.dtype} ({engine.info.dtype_reason}), {engine.info.num_threads} threads, linear layers {engine.info.linear}, attention {engine.info.attention}, KV cache {engine.info.kv_cache_dtype}, keys as {engine.info.key_layout}.\n\n"
     md += table(results, base)
     split = next((r.extra["step_split"] for r in results if r.system == base), None)
     if split:

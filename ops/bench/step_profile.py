@@ -56,7 +56,7 @@ import worker.model.quant as quant_mod
 from worker.config import LINEAR_BACKENDS, EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tuning import choose_batch, measure_curve
-from worker.hardware import KV_CACHE_DTYPES
+from worker.hardware import KEY_LAYOUTS, KV_CACHE_DTYPES
 from worker.model.native import NativeKernels, prefill_kernel_fits
 from worker.model.packing import attach_rows_weights, pack_linear_layers
 from worker.request import SamplingParams
@@ -279,9 +279,10 @@ def step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
             weights += m.out_features * m.in_features + 4 * m.out_features  # int8, scales
     if model.narrow_head is None:
         weights += model.output_weight.nbytes
-    # a token's K and V rows in every layer, as the caches hold them ([NB, KVH, BS, row])
+    # a token's K and V rows in every layer, as the caches hold them ([NB, KVH, BS, row];
+    # keys in pairs [NB, KVH, D / 2, BS, 2], a token's D values a head all the same)
     per_token = sum(
-        k.shape[1] * (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
+        (k.numel() * k.element_size() + v.numel() * v.element_size()) // (v.shape[0] * v.shape[2])
         for k, v in runner.kv_caches
     )
     return weights + batch * context * per_token
@@ -918,6 +919,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=("auto", "native", "torch"))
     ap.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--key-layout", default="auto", choices=KEY_LAYOUTS)
     ap.add_argument(
         "--compare-layer-ops",
         action="store_true",
@@ -991,6 +993,7 @@ def main() -> None:
             attention=args.attention,
             linear=args.linear,
             kv_cache_dtype=args.kv_cache_dtype,
+            key_layout=args.key_layout,
         )
     )
     if args.no_rows_kernel:
@@ -999,7 +1002,7 @@ def main() -> None:
     info = engine.info
     print(
         f"linear layers: {info.linear}; attention: {info.attention}; "
-        f"KV cache: {info.kv_cache_dtype}",
+        f"KV cache: {info.kv_cache_dtype}; keys as {info.key_layout}",
         file=sys.stderr,
     )
     if args.compare_layer_ops:

@@ -287,17 +287,21 @@ def test_layer_ops_refuse_what_they_cannot_read(ops: NativeKernels) -> None:
 
 @pytest.mark.parametrize("variant", ["llama3", "smollm2", "mistral", "qwen2"])
 @pytest.mark.parametrize(
-    ("dtype", "kv"),
+    ("dtype", "kv", "keys"),
     [
-        ("float32", "float32"),
-        ("bfloat16", "bfloat16"),
-        ("float32", "int8"),
-        ("bfloat16", "int8"),
-        ("bfloat16", "bfloat16-int8"),
+        ("float32", "float32", "auto"),
+        ("bfloat16", "bfloat16", "auto"),
+        ("float32", "int8", "auto"),
+        ("bfloat16", "int8", "auto"),
+        ("bfloat16", "bfloat16-int8", "auto"),
+        # bfloat16 keys in pairs, stored by the C op or by torch, the continued chunk's
+        # context gathered back into rows for SDPA
+        ("bfloat16", "bfloat16", "pairs"),
+        ("bfloat16", "bfloat16-int8", "pairs"),
     ],
 )
 def test_layer_ops_path_equals_the_torch_path(
-    variant: str, dtype: str, kv: str, tiny_model_dir
+    variant: str, dtype: str, kv: str, keys: str, tiny_model_dir
 ) -> None:
     """The same steps (a prefill; then decode rows, a fresh prefill and a chunk continuing
     a cached prompt, mixed) through the C layer ops and through the torch ops, both with
@@ -316,8 +320,12 @@ def test_layer_ops_path_equals_the_torch_path(
             attention="native",
             dtype=dtype,
             kv_cache_dtype=kv,
+            key_layout=keys,
+            # SDPA for prompts (the C prompt kernel reads key rows only)
+            **({"prefill_attention": "float32"} if keys == "pairs" else {}),
         )
         runner = ModelRunner(cfg, load_model(str(path), dtype=dtype))
+        assert keys != "pairs" or runner.kv_caches[0][0].dim() == 5
         assert runner.layer_ops is not None
         assert all(layer.takes_layer_ops for layer in runner.model.layers)
         if not with_ops:

@@ -88,6 +88,8 @@ def _drop_rows_weights(runner: ModelRunner) -> None:
         ("smollm2", "bfloat16", "auto", "float32", None),
         ("smollm2", "bfloat16", "auto", "int8", None),
         ("smollm2", "bfloat16", "auto", "bfloat16-int8", None),
+        ("smollm2", "bfloat16", "auto", "bfloat16-int8/pairs", None),  # keys in pairs
+        ("smollm2", "bfloat16", "auto", "bfloat16/pairs", None),
         # the row kernel's copies dropped: oneDNN's packed bfloat16 matmul, padded rows
         ("smollm2", "bfloat16", "onednn", "auto", {"torch"}),
         # Qwen2's q, k and v projections have a bias the row kernel does not take
@@ -103,7 +105,8 @@ def _drop_rows_weights(runner: ModelRunner) -> None:
 def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
     tiny_model_dir, variant: str, dtype: str, linear: str, kv_cache: str, kinds: set[str] | None
 ) -> None:
-    kw = {"prefill_attention": "native", "kv_cache_dtype": kv_cache}
+    kv_cache, _, keys = kv_cache.partition("/")
+    kw = {"prefill_attention": "native", "kv_cache_dtype": kv_cache, "key_layout": keys or "auto"}
     if linear == "int16" and not _int16_built():  # no AVX2 here
         with pytest.raises(ValueError, match="int16"):
             _runner(tiny_model_dir, variant, dtype, linear, **kw)

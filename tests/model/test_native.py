@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -20,6 +21,7 @@ from worker.model.attention import (
     dequantize_rows,
     paged_attention,
     quantize_rows,
+    store_kv,
     widen,
 )
 from worker.model.native import (
@@ -264,6 +266,110 @@ def test_kernel_reads_bfloat16_keys_over_int8_values(threads: int, kernels: Nati
         kernels.paged_decode(q, k16, v8[:-1].contiguous(), *args)
 
 
+def to_pairs(k_rows: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 keys' cache [NB, KVH, BS, D] as pairs [NB, KVH, D / 2, BS, 2]."""
+    NB, KVH, BS, D = k_rows.shape
+    return k_rows.view(NB, KVH, BS, D // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+# Keys in pairs: blocks of 16 and 32 take 16 keys a vector where the CPU has AVX-512
+# (windows start runs mid-block, partial blocks end them: masked lanes), blocks of 4 the
+# per-key loop; 1 to 8 query heads a KV head keep accumulators in registers (four a head
+# up to 4, two up to 8), 16 take the per-key loop; D 54 has an odd number of pairs.
+@pytest.mark.parametrize("values", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window", "bs"),
+    [
+        (9, 3, 64, None, 16),
+        (9, 3, 64, 37, 16),
+        (4, 4, 128, None, 32),
+        (8, 1, 64, 21, 16),
+        (16, 1, 32, None, 16),
+        (6, 2, 54, 19, 32),
+        (8, 2, 32, 5, 4),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_reads_bfloat16_keys_in_pairs(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int | None,
+    bs: int,
+    values: torch.dtype,
+    threads: int,
+    kernels: NativeKernels,
+) -> None:
+    """Keys in pairs: the kernel equals the float32 path on the widened keys (scores of q as
+    it is, in another order than the rows' sums), and so does the torch gather path, which
+    puts the pairs back into rows."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        q, k_cache, v_cache, tables, lens = _case(13, heads, kv_heads, dim, bs, seed=dim + bs)
+        k16 = k_cache.bfloat16()
+        v = quantize_rows(v_cache) if values == torch.int8 else v_cache.bfloat16()
+        pairs = to_pairs(k16)
+        assert native_mod.key_pairs(pairs) and not native_mod.key_pairs(k16)
+        want = _torch_path(q, k16.float(), widen(v, torch.float32, dim), tables, lens, bs, window)
+        got = torch.full_like(q, float("nan"))
+        args = (tables.to(torch.int32), lens.to(torch.int32), got, dim**-0.5, window or 0)
+        kernels.paged_decode(q, pairs, v, *args)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        gathered = _torch_path(q, pairs, v, tables, lens, bs, window)
+        torch.testing.assert_close(gathered, want, atol=1e-6, rtol=1e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_keys_in_pairs_are_refused_where_they_cannot_be_read(kernels: NativeKernels) -> None:
+    """Pairs are bfloat16 keys of the values' blocks, read by the decode kernel only: any
+    other dtype, a shape that is not the values' blocks in pairs, or the C prompt kernel
+    is refused, saying what it expected."""
+    bs = 16
+    q, k_cache, v_cache, tables, lens = _case(5, 9, 3, 64, bs, seed=3)
+    pairs, v16 = to_pairs(k_cache.bfloat16()), v_cache.bfloat16()
+    args = (tables.to(torch.int32), lens.to(torch.int32), torch.empty_like(q), 0.125, 0)
+    with pytest.raises(TypeError, match=r"torch\.float32 keys in pairs over"):
+        kernels.paged_decode(q, to_pairs(k_cache), v_cache, *args)
+    with pytest.raises(ValueError, match=r"keys in pairs \(128, 3, 32, 16, 2\)"):
+        kernels.paged_decode(q, pairs[:, :, :16].contiguous(), v16, *args)
+    with pytest.raises(ValueError, match="keys in rows"):
+        kernels.prefill_attention(
+            q[:1].contiguous(), pairs, v16, tables[0].to(torch.int32), 3, q[:1].clone(), 0.125
+        )
+
+
+def test_keys_in_pairs_are_stored_by_torch_as_the_c_store_stores_them(
+    kernels: NativeKernels,
+) -> None:
+    """store_kv (the torch path) and the C rotary op's store write a token's key into its
+    slot of a pairs cache: both the rows' cache permuted, bit for bit."""
+    heads, kv_heads, dim, bs, num_blocks, tokens = 6, 2, 64, 16, 8, 40
+    g = torch.Generator().manual_seed(31)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    positions = torch.randint(0, 2048, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos, sin = freqs.cos(), freqs.sin()
+    rows = torch.zeros(num_blocks, kv_heads, bs, dim, dtype=torch.bfloat16)
+    pairs = to_pairs(rows)
+    v_rows, v_pairs = (
+        torch.zeros(num_blocks, kv_heads, bs, dim + 4, dtype=torch.int8) for _ in "ab"
+    )
+    _, k, v = kernels.rope_store(qkv, cos, sin, slots, rows, v_rows, heads)
+    kernels.rope_store(qkv, cos, sin, slots, pairs, v_pairs, heads)
+    assert k is not None and v is not None
+    assert torch.count_nonzero(rows) > 0
+    assert torch.equal(pairs, to_pairs(rows)) and torch.equal(v_pairs, v_rows)
+    meta = dataclasses.replace(
+        _meta([], None, bs), slot_blocks=slots // bs, slot_offsets=slots % bs
+    )
+    by_torch = torch.zeros_like(pairs)
+    store_kv(k, v, by_torch, torch.zeros_like(v_rows), meta)
+    assert torch.equal(by_torch, pairs)
+
+
 def test_paged_attention_runs_bfloat16_decode_rows_through_the_kernel(
     kernels: NativeKernels,
 ) -> None:
@@ -370,7 +476,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
     path = str(tiny_model_dir("smollm2"))
     runners = {
         kv: ModelRunner(
-            EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv),
+            # keys as rows (pairs: test_keys_in_pairs_take_the_same_blocks_and_say_why)
+            EngineConfig(model=path, kv_cache_bytes=8 << 20, kv_cache_dtype=kv, key_layout="rows"),
             load_model(path, dtype="bfloat16"),
         )
         for kv in ("auto", "float32", "bfloat16", "int8", "bfloat16-int8")
@@ -402,6 +509,41 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_says_why(tiny_model_dir) ->
     else:
         assert auto.info.kv_cache_dtype.startswith("float32 (auto")
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in narrow.kv_caches)
+
+
+def test_keys_in_pairs_take_the_same_blocks_and_say_why(tiny_model_dir) -> None:
+    """Keys in pairs are the rows' bytes in another order: the same blocks in the same
+    memory. Auto takes them on a CPU with AMX where the C kernel reads bfloat16 keys; the
+    start-up facts say which and why; where pairs cannot be read, asking is refused."""
+    from worker.engine.model_runner import ModelRunner
+    from worker.model.loader import load_model
+
+    path = str(tiny_model_dir("smollm2"))
+    loaded = load_model(path, dtype="bfloat16")
+
+    def runner(**kw: str) -> ModelRunner:
+        return ModelRunner(EngineConfig(model=path, kv_cache_bytes=8 << 20, **kw), loaded)
+
+    rows = runner(kv_cache_dtype="bfloat16-int8", key_layout="rows")
+    if rows.native is None:  # no C compiler: nothing reads pairs
+        with pytest.raises(ValueError, match="C decode kernel"):
+            runner(kv_cache_dtype="bfloat16-int8", key_layout="pairs")
+        return
+    pairs = runner(kv_cache_dtype="bfloat16-int8", key_layout="pairs")
+    assert rows.info.key_layout == "rows (set explicitly)"
+    assert pairs.info.key_layout == "pairs (set explicitly)"
+    assert pairs.info.num_blocks == rows.info.num_blocks
+    for (kr, vr), (kp, vp) in zip(rows.kv_caches, pairs.kv_caches, strict=True):
+        NB, KVH, BS, D = kr.shape
+        assert kp.shape == (NB, KVH, D // 2, BS, 2) and kp.dtype == torch.bfloat16
+        assert vp.shape == vr.shape
+    auto = runner(kv_cache_dtype="bfloat16-int8")
+    want = "pairs" if "amx_bf16" in read_cpu_flags() else "rows"
+    assert auto.info.key_layout.startswith(f"{want} (auto")
+    with pytest.raises(ValueError, match="keys in pairs are bfloat16"):
+        runner(kv_cache_dtype="int8", key_layout="pairs")
+    with pytest.raises(ValueError, match="C decode kernel"):
+        runner(kv_cache_dtype="bfloat16", key_layout="pairs", attention="torch")
 
 
 def test_older_instruction_sets_build_their_own_paths() -> None:

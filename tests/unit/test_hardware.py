@@ -21,6 +21,7 @@ from worker.hardware import (
     cgroup_cpu_limit,
     choose_dtype,
     choose_int16_linear,
+    choose_key_layout,
     choose_kv_dtype,
     choose_output_head,
     choose_prefill_attention,
@@ -389,3 +390,35 @@ def test_freed_step_memory_is_kept_for_the_next_step() -> None:
 def test_the_environment_s_malloc_settings_win() -> None:
     for name in MALLOC_ENV:
         assert keep_freed_memory({name: "1"}) == ""
+
+
+def test_keys_in_pairs_where_the_c_kernel_reads_bfloat16_keys_on_a_cpu_with_amx() -> None:
+    amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16"})
+    for kv in ("bfloat16", "bfloat16-int8"):
+        auto = choose_key_layout("auto", "cpu", kv, True, "bfloat16", amx)
+        assert auto.dtype == "pairs" and "AMX" in auto.reason
+    # unmeasured without AMX: rows, and why
+    zen4 = choose_key_layout("auto", "cpu", "bfloat16", True, "native", amx - {"amx_bf16"})
+    assert zen4.dtype == "rows" and "AMX" in zen4.reason
+    # what pairs cannot be: auto says why it takes rows, an explicit ask is refused
+    for device, kv, in_place, prefill, why in (
+        ("cuda", "bfloat16", False, "bfloat16", "on cuda"),
+        ("cpu", "float32", True, "float32", "the KV cache is float32"),
+        ("cpu", "int8", True, "bfloat16", "the KV cache is int8"),
+        ("cpu", "bfloat16", False, "bfloat16", "lacks"),
+        ("cpu", "bfloat16", True, "flash", "prompt kernel"),
+    ):
+        auto = choose_key_layout("auto", device, kv, in_place, prefill, amx)
+        assert auto.dtype == "rows" and why in auto.reason
+        with pytest.raises(ValueError, match=f"key_layout 'pairs' is not possible here: .*{why}"):
+            choose_key_layout("pairs", device, kv, in_place, prefill, amx)
+    assert choose_key_layout("rows", "cpu", "bfloat16", True, "bfloat16", amx).dtype == "rows"
+    assert choose_key_layout("pairs", "cpu", "bfloat16", True, "native", frozenset()).dtype == (
+        "pairs"
+    )
+    with pytest.raises(ValueError, match="key_layout must be one of"):
+        choose_key_layout("columns", "cpu", "bfloat16", True, "bfloat16", amx)
+    # the engine's setting, from the environment too, checked when the config is built
+    assert EngineConfig.from_env({"KVFLOW_KEY_LAYOUT": "pairs"}).key_layout == "pairs"
+    with pytest.raises(ValueError, match="key_layout must be one of"):
+        EngineConfig(key_layout="columns")

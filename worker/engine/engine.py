@@ -95,12 +95,15 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded, choice.reason)
         self.info: RuntimeInfo = self.runner.info
         log.info(
-            "dtype %s (%s); %d threads; linear layers: %s; attention: %s%s",
+            "dtype %s (%s); %d threads; linear layers: %s; attention: %s; KV cache: %s, "
+            "keys as %s%s",
             self.info.dtype,
             choice.reason,
             self.info.num_threads,
             self.info.linear,
             self.info.attention,
+            self.info.kv_cache_dtype,
+            self.info.key_layout,
             f"; {self.info.allocator}" if self.info.allocator else "",
         )
         self.scheduler = Scheduler(config, self.info.num_blocks, self.info.max_model_len)

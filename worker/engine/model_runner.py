@@ -19,6 +19,7 @@ from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from worker.hardware import (
     advise_huge_pages,
     choose_int16_linear,
+    choose_key_layout,
     choose_kv_dtype,
     choose_prefill_attention,
     detect_cores,
@@ -91,6 +92,7 @@ class RuntimeInfo:
     attention: str = "torch"  # the decode attention path and why (for the start-up log)
     linear: str = "torch"  # the linear layers' matmul path and why (likewise)
     kv_cache_dtype: str = "float32"  # the KV cache's dtype and why (likewise)
+    key_layout: str = "rows"  # a block of the keys' cache as rows or pairs, and why
     allocator: str = ""  # what was set of the C library's allocator (likewise)
 
 
@@ -215,6 +217,15 @@ class ModelRunner:
         self.prefill_in_place = prefill.dtype == "native"
         # prompt chunks attended by the C prompt kernel, each through its block table
         self.prefill_kernels = self.native if prefill.dtype == "flash" else None
+        # a block of bfloat16 keys as rows, or as pairs of dimensions (native.key_pairs)
+        layout = choose_key_layout(
+            config.key_layout,
+            self.device.type,
+            kv.dtype,
+            in_place_decode=self.native is not None,
+            prefill_attention=prefill.dtype,
+            cpu_flags=read_cpu_flags(),
+        )
         k_row = cache_row(self.kv_dtype, mcfg.head_dim, keys=True)
         v_row = cache_row(self.v_dtype, mcfg.head_dim, keys=False)
         # bytes of K and V for one block across all layers
@@ -224,9 +235,14 @@ class ModelRunner:
         self.num_kv_heads = mcfg.num_kv_heads
         # Head-major blocks (worker.model.attention explains why).
         blocks = (num_blocks, mcfg.num_kv_heads, self.block_size)
+        k_shape = (
+            (num_blocks, mcfg.num_kv_heads, mcfg.head_dim // 2, self.block_size, 2)
+            if layout.dtype == "pairs"
+            else (*blocks, k_row)
+        )
         self.kv_caches = [
             (
-                cache_tensor((*blocks, k_row), self.kv_dtype, self.device),
+                cache_tensor(k_shape, self.kv_dtype, self.device),
                 cache_tensor((*blocks, v_row), self.v_dtype, self.device),
             )
             for _ in range(mcfg.num_layers)
@@ -280,6 +296,7 @@ class ModelRunner:
                 "flash": f"; prefill attention by the C prompt kernel, in place ({prefill.reason})",
             }.get(prefill.dtype, f"; prefill attention in {prefill.dtype} ({prefill.reason})"),
             kv_cache_dtype=f"{kv.dtype} ({kv.reason})",
+            key_layout=f"{layout.dtype} ({layout.reason})",
             allocator=allocator,
             linear=linear,
         )

@@ -21,7 +21,9 @@ block_size keys, one per KV head, so gathering rows (block * KVH + head) in the 
 (sequence, head, block) lays out each sequence's keys as [KVH, L, D], contiguous, the
 shape the batched matmuls read without another copy. (With token-major blocks the same
 gather needs a transpose, and SDPA's CPU kernel for a few queries per head was ~1.3x
-slower than bmm + float32 softmax at 64 sequences of 272 tokens.)
+slower than bmm + float32 softmax at 64 sequences of 272 tokens.) Bfloat16 keys may be
+stored in pairs instead, [num_blocks, KVH, D / 2, block_size, 2] (`native.key_pairs`,
+for the C kernel): a gather puts a run's pairs back into rows.
 
 Everything a layer needs is in `AttentionMetadata`, built once per step by the runner.
 """
@@ -34,7 +36,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from worker.model.native import I8_SCALE_BYTES, NativeKernels, i8_group
+from worker.model.native import I8_SCALE_BYTES, NativeKernels, i8_group, key_pairs
 
 
 class Workspace:
@@ -193,12 +195,17 @@ def store_kv(
     # cache may be narrower than the activations (bfloat16 K/V beside a float32 residual
     # stream on CPU): values are rounded as they are stored, and widened where read; an
     # int8 cache (keys and values, or values alone) takes each row quantized with its scale.
-    D = k.shape[-1]
+    T, KVH, D = k.shape
     if k_cache.dtype == torch.int8:
         k = quantize_rows(k, i8_group(D, keys=True))
     if v_cache.dtype == torch.int8:
         v = quantize_rows(v, i8_group(D, keys=False))
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
+    if key_pairs(k_cache):  # [NB, KVH, D / 2, BS, 2]: the indexed view is [T, KVH, D / 2, 2]
+        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k.view(T, KVH, D // 2, 2).to(
+            k_cache.dtype
+        )
+    else:
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
 
@@ -220,7 +227,8 @@ def paged_attention(
     group = H // kvh
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    k_row, v_row = k_cache.shape[-1], v_cache.shape[-1]  # D, or more for int8 rows
+    # D, or more for int8 rows (keys in pairs: D a key, gathered back into rows)
+    k_row, v_row = D if key_pairs(k_cache) else k_cache.shape[-1], v_cache.shape[-1]
     # a head's rows of a block, one run: [num_blocks * KVH, block_size * row]
     k_runs = k_cache.view(-1, meta.block_size * k_row)
     v_runs = v_cache.view(-1, meta.block_size * v_row)
@@ -253,7 +261,9 @@ def paged_attention(
         n = g.end - g.start
         L = g.num_blocks * meta.block_size
         # contiguous per (sequence, KV head)
-        kg = widen(_gather(ws, "k", k_runs, g.gather_index).view(n * kvh, L, k_row), q.dtype, D)
+        kg = widen(
+            _gather_keys(ws, k_cache, k_runs, g.gather_index).view(n * kvh, L, k_row), q.dtype, D
+        )
         vg = widen(_gather(ws, "v", v_runs, g.gather_index).view(n * kvh, L, v_row), q.dtype, D)
         qg = q[g.start : g.end].reshape(n * kvh, group, D)  # G query heads share one KV head
         # Scores and softmax in float32 [n * KVH, G, L]; masked keys get -inf. Half
@@ -297,7 +307,7 @@ def paged_attention(
             vp = v[lo:hi].transpose(0, 1)
         else:
             total = p.num_context + (p.end - p.start)
-            kp = _gather(ws, "k", k_runs, p.gather_index).view(kvh, -1, k_row)[:, :total]
+            kp = _gather_keys(ws, k_cache, k_runs, p.gather_index).view(kvh, -1, k_row)[:, :total]
             vp = _gather(ws, "v", v_runs, p.gather_index).view(kvh, -1, v_row)[:, :total]
             kp, vp = widen(kp, q.dtype, D), widen(vp, q.dtype, D)  # [KVH, total, D]
         # A leading batch dimension matters: 3-D inputs take SDPA's unfused math path
@@ -321,6 +331,18 @@ def _gather(ws: Workspace, name: str, runs: torch.Tensor, index: torch.Tensor) -
     [index.numel(), run] in the cache's dtype."""
     out = ws.get(name, index.numel(), runs.shape[1], runs.dtype)
     return torch.index_select(runs, 0, index, out=out)
+
+
+def _gather_keys(
+    ws: Workspace, k_cache: torch.Tensor, runs: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """`_gather` of key runs, as rows [index.numel(), BS * row] whatever their layout:
+    keys in pairs ([D / 2, BS, 2] a run) put back in order, a copy."""
+    out = _gather(ws, "k", runs, index)
+    if not key_pairs(k_cache):
+        return out
+    _, _, half, BS, _ = k_cache.shape
+    return out.view(-1, half, BS, 2).transpose(1, 2).reshape(out.shape[0], -1)
 
 
 def decode_mask(

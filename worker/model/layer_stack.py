@@ -53,7 +53,7 @@ from worker.model.llama import (
     LlamaForCausalLM,
     padded_rows,
 )
-from worker.model.native import NativeKernels, int16_scratch_bytes, store_flags
+from worker.model.native import NativeKernels, int16_scratch_bytes, key_pairs, store_flags
 
 if TYPE_CHECKING:
     from worker.model.attention import AttentionMetadata, InPlaceDecode, PrefillChunk
@@ -188,7 +188,13 @@ class LayerStack:
         self.act_bf16 = int(act == torch.bfloat16)
         k_dtype, v_dtype = kv_caches[0][0].dtype, kv_caches[0][1].dtype
         self.store_flags = store_flags(k_dtype, v_dtype, self.D)  # kvflow_rope_store's
-        self.decode = kernels.paged_decode_entry(k_dtype, v_dtype)
+        # bfloat16 keys in pairs within a block, or rows (native.key_pairs)
+        self.k_pairs = int(key_pairs(kv_caches[0][0]))
+        self.decode = (
+            kernels.pairs_decode_entry(v_dtype)
+            if self.k_pairs
+            else kernels.paged_decode_entry(k_dtype, v_dtype)
+        )
         R, C, H, D, inter = MAX_ROWS, self.C, self.H, self.D, self.inter
         qkv_cols = (H + 2 * self.KVH) * D
         self.buffers = {
@@ -318,7 +324,7 @@ class LayerStack:
             qkv = self._linear("h", qkv_w, "qkv", T, R, qkv_cols, C, held)
             lib.kvflow_rope_store(
                 qkv, b["q"], cos_p, sin_p, slots_p, w.k_cache, w.v_cache,
-                T, H, KVH, D, bs, act, *self.store_flags, 0,
+                T, H, KVH, D, bs, act, *self.store_flags, 0, self.k_pairs,
             )  # fmt: skip
             failed = self.decode(
                 b["q"], w.k_cache, w.v_cache, tables_p, lens_p, b["o"], act,

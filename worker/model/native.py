@@ -156,11 +156,18 @@ class NativeKernels:
         entry: Callable[..., int] = getattr(self.lib, DECODE_ENTRIES[k_dtype, v_dtype or k_dtype])
         return entry
 
+    def pairs_decode_entry(self, v_dtype: torch.dtype) -> Callable[..., int]:
+        """The decode attention for bfloat16 keys in pairs (`key_pairs`) over values of
+        `v_dtype` (bfloat16 or int8)."""
+        entry: Callable[..., int] = getattr(self.lib, PAIRS_ENTRIES[torch.bfloat16, v_dtype])
+        return entry
+
     def paged_decode(
         self,
         q: torch.Tensor,  # [n, H, D] float32, contiguous
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 (cache_row)
-        v_cache: torch.Tensor,  # like k_cache, or int8 behind a bfloat16 k_cache
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 (cache_row);
+        # or bfloat16 keys in pairs [NB, KVH, D / 2, BS, 2] (key_pairs)
+        v_cache: torch.Tensor,  # like k_cache (rows), or int8 behind a bfloat16 k_cache
         block_tables: torch.Tensor,  # [n, max_blocks] int32
         context_lens: torch.Tensor,  # [n] int32
         out: torch.Tensor,  # [n, H, D] float32 or bfloat16, contiguous
@@ -171,12 +178,17 @@ class NativeKernels:
         token, or a prompt chunk's row: see kernels/paged_decode.c), into `out` in its
         dtype (computed in float32; a bfloat16 `out` takes the results rounded)."""
         n, H, D = q.shape
-        _, KVH, BS, _ = k_cache.shape
         _check_cache(k_cache, v_cache, D, "reads")
+        _, KVH, BS, _ = v_cache.shape
         _check_rows(q, float32_only=True)
         _check_rows(out)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
-        failed = self.paged_decode_entry(k_cache.dtype, v_cache.dtype)(
+        entry = (
+            self.pairs_decode_entry(v_cache.dtype)
+            if key_pairs(k_cache)
+            else self.paged_decode_entry(k_cache.dtype, v_cache.dtype)
+        )
+        failed = entry(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -214,8 +226,9 @@ class NativeKernels:
         read in place from the cache (the chunk's K/V stored first; kernels/
         prefill_attention.c), into `out`."""
         T, H, D = q.shape
-        _, KVH, BS, _ = k_cache.shape
         _check_cache(k_cache, v_cache, D, "reads")
+        _expect(not key_pairs(k_cache), "keys in rows (not in pairs)", k_cache)
+        _, KVH, BS, _ = k_cache.shape
         _check_rows(q, out, float32_only=True)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
         _expect(
@@ -327,8 +340,9 @@ class NativeKernels:
         cos: torch.Tensor,  # [T, D/2] float32, contiguous
         sin: torch.Tensor,
         slots: torch.Tensor,  # [T] int64 cache slots, each < NB * BS (the caller's word)
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 (cache_row)
-        v_cache: torch.Tensor,  # like k_cache, or int8 behind a bfloat16 k_cache
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or int8 (cache_row);
+        # or bfloat16 keys in pairs [NB, KVH, D / 2, BS, 2] (key_pairs)
+        v_cache: torch.Tensor,  # like k_cache (rows), or int8 behind a bfloat16 k_cache
         num_heads: int,
         kv_out: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -337,7 +351,7 @@ class NativeKernels:
         `kv_out` k and v are only stored (None returned for them)."""
         _check_rows(qkv)
         _check_rows(cos, sin, float32_only=True)
-        _, KVH, BS, _ = k_cache.shape
+        _, KVH, BS, _ = v_cache.shape
         T, H = cos.shape[0], num_heads
         D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and scales)
         _expect(qkv.shape[0] >= T and qkv.shape[1] == (H + 2 * KVH) * D, "qkv rows", qkv)
@@ -361,6 +375,7 @@ class NativeKernels:
             qkv.dtype == torch.bfloat16,
             *store_flags(k_cache.dtype, v_cache.dtype, D),
             kv_out,
+            key_pairs(k_cache),
         )
         if not kv_out:
             return out.view(T, H, D), None, None
@@ -545,6 +560,20 @@ DECODE_ENTRIES = {
     (torch.int8, torch.int8): "kvflow_paged_decode_i8",
     (torch.bfloat16, torch.int8): "kvflow_paged_decode_bf16_i8",
 }
+# Likewise for bfloat16 keys stored in pairs within a block (`key_pairs`).
+PAIRS_ENTRIES = {
+    (torch.bfloat16, torch.bfloat16): "kvflow_paged_decode_bf16p",
+    (torch.bfloat16, torch.int8): "kvflow_paged_decode_bf16p_i8",
+}
+
+
+def key_pairs(k_cache: torch.Tensor) -> bool:
+    """Whether a keys' cache is stored in pairs: [NB, KVH, D / 2, BS, 2] bfloat16, a
+    (block, head) run's dimensions 2p and 2p + 1 of its BS keys side by side, so that one
+    vector holds 16 keys' values of two dimensions (the decode kernel's scores then take
+    no sums across lanes: worker.hardware.choose_key_layout). Otherwise rows, [NB, KVH, BS,
+    row]."""
+    return k_cache.dim() == 5
 
 
 def i8_group(D: int, keys: bool) -> int:
@@ -572,21 +601,29 @@ def store_flags(k_dtype: torch.dtype, v_dtype: torch.dtype, D: int) -> tuple[int
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str) -> None:
-    if (k_cache.dtype, v_cache.dtype) not in DECODE_ENTRIES:
+    pairs = key_pairs(k_cache)
+    if (k_cache.dtype, v_cache.dtype) not in (PAIRS_ENTRIES if pairs else DECODE_ENTRIES):
         raise TypeError(
             f"the C kernel {verb} a float32, bfloat16 or int8 cache (or bfloat16 keys over "
-            f"int8 values), not {k_cache.dtype} keys over {v_cache.dtype} values"
+            f"int8 values; keys in pairs: bfloat16 over bfloat16 or int8 values), not "
+            f"{k_cache.dtype} keys{' in pairs' if pairs else ''} over {v_cache.dtype} values"
         )
     for cache, keys in ((k_cache, True), (v_cache, False)):
-        row = cache_row(cache.dtype, D, keys)
-        _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
-    # the kernels index both by the keys' blocks, heads and block size, in place
+        if not (keys and pairs):
+            row = cache_row(cache.dtype, D, keys)
+            _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
+    NB, KVH, BS, _ = v_cache.shape
+    if pairs:
+        want = (NB, KVH, D // 2, BS, 2)
+        _expect(D % 2 == 0 and k_cache.shape == want, f"keys in pairs {want}", k_cache)
+    # the kernels index both by the same blocks, heads and block size, in place
     _expect(
-        v_cache.shape[:3] == k_cache.shape[:3]
+        k_cache.shape[:2] == v_cache.shape[:2]
+        and k_cache.shape[-2 if pairs else 2] == BS
         and k_cache.is_contiguous()
         and v_cache.is_contiguous(),
-        f"contiguous caches of the same blocks {tuple(k_cache.shape[:3])}",
-        v_cache,
+        f"contiguous caches of the same blocks {tuple(v_cache.shape[:3])}",
+        k_cache,
     )
 
 
@@ -682,7 +719,7 @@ def load_native(
     except OSError as e:
         target.unlink(missing_ok=True)  # rebuilt next time rather than failing for ever
         return NativeLoad(None, f"the C kernels did not load ({e})")
-    for fn in (getattr(lib, name) for name in DECODE_ENTRIES.values()):
+    for fn in (getattr(lib, name) for name in (*DECODE_ENTRIES.values(), *PAIRS_ENTRIES.values())):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
     for fn in (lib.kvflow_prefill_attention_f32, lib.kvflow_prefill_attention_bf16):
@@ -697,7 +734,7 @@ def load_native(
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
     lib.kvflow_rope_store.restype = None
-    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 10
+    lib.kvflow_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 11
     lib.kvflow_matmul_rows_bf16.restype = ctypes.c_int
     lib.kvflow_matmul_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.kvflow_matmul_rows_built.restype = ctypes.c_int

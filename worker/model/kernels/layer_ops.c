@@ -23,7 +23,8 @@
  *   the prefill path take them as they are); without kv_out, q only (a step whose rows
  *   all attend through the kernel reads K and V from the cache alone)
  *   cos, sin [T, D / 2] float32 (the token's position's angles)
- *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D], or as an
+ *   slots [T] int64 (block * BS + offset); k_cache, v_cache [NB, KVH, BS, D] (with
+ *   k_pairs bfloat16 keys in pairs, [NB, KVH, D / 2, BS, 2]: paged_decode.c), or as an
  *   int8 cache (k_i8, v_i8: either or both, each the values per scale, 0 where not int8)
  *   [NB, KVH, BS, D + 4 * D / group] bytes: each group of a row's D values rounded to int8
  *   against the group's absolute maximum, then the groups' float32 scales (maximum / 127)
@@ -208,7 +209,7 @@ rotate(const void *src, float *restrict dst, const float *restrict cs, const flo
 static inline __attribute__((always_inline)) void
 rope_store(const void *qkv, float *out, const float *cos, const float *sin, const int64_t *slots,
            void *k_cache, void *v_cache, int T, int H, int KVH, int D, int BS, int k_i8,
-           int v_i8, int kv_out, const int in_bf16, const int cache_bf16) {
+           int v_i8, int kv_out, int k_pairs, const int in_bf16, const int cache_bf16) {
     const int width = (H + 2 * KVH) * D;
     float *q_out = out, *k_out = q_out + (size_t)T * H * D, *v_out = k_out + (size_t)T * KVH * D;
 #pragma omp parallel for if (T >= PARALLEL_ROWS)
@@ -226,7 +227,15 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
         const int64_t block = slots[t] / BS, off = slots[t] % BS;
         for (int h = 0; h < KVH; h++) {
             const size_t row = ((size_t)block * KVH + h) * BS + (size_t)off;
-            store_row(k_cache, row, k + h * D, D, k_i8, cache_bf16);
+            if (k_pairs) { /* bfloat16 keys in pairs: dims 2p, 2p + 1 at [block, h, p, off] */
+                uint16_t *kp = (uint16_t *)k_cache + ((size_t)block * KVH + h) * (size_t)BS * D;
+                for (int p = 0; p < D / 2; p++) {
+                    kp[((size_t)p * BS + (size_t)off) * 2] = to_bf16(k[h * D + 2 * p]);
+                    kp[((size_t)p * BS + (size_t)off) * 2 + 1] = to_bf16(k[h * D + 2 * p + 1]);
+                }
+            } else {
+                store_row(k_cache, row, k + h * D, D, k_i8, cache_bf16);
+            }
             store_row(v_cache, row, v + h * D, D, v_i8, cache_bf16);
         }
     }
@@ -235,7 +244,7 @@ rope_store(const void *qkv, float *out, const float *cos, const float *sin, cons
 void kvflow_rope_store(const void *qkv, float *out, const float *cos, const float *sin,
                        const int64_t *slots, void *k_cache, void *v_cache, int T, int H, int KVH,
                        int D, int BS, int in_bf16, int cache_bf16, int k_i8, int v_i8,
-                       int kv_out) {
+                       int kv_out, int k_pairs) {
     WITH_FLAGS(rope_store, in_bf16, cache_bf16, qkv, out, cos, sin, slots, k_cache, v_cache, T, H,
-               KVH, D, BS, k_i8, v_i8, kv_out);
+               KVH, D, BS, k_i8, v_i8, kv_out, k_pairs);
 }

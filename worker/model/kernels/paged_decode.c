@@ -26,7 +26,10 @@
  * D + D / 4] int8; D + 4 where D is not a multiple of 16), the values one per row
  * (v_cache [.., D + 4]), dequantized as they are read. The two caches may also differ:
  * bfloat16 keys over int8 values (kvflow_paged_decode_bf16_i8, k_cache [NB, KVH, BS, D],
- * v_cache [.., D + 4]), each read as its kind, its rows of its own size. Where the CPU
+ * v_cache [.., D + 4]), each read as its kind, its rows of its own size. Bfloat16 keys may
+ * be stored in pairs (kvflow_paged_decode_bf16p, _bf16p_i8: k_cache [NB, KVH, D / 2, BS,
+ * 2], dimensions 2p and 2p + 1 of a block's keys side by side; values as above), scored
+ * 16 keys a vector without sums across lanes (score_pairs). Where the CPU
  * has avx512_bf16 and is not an Intel core with AMX or AVX-512 FP16 (and D is a multiple
  * of 32), the keys are not widened: the scores take q, cut into two bfloat16 halves,
  * against the stored keys with vdpbf16ps, products summed in float32 (score16_bf16;
@@ -93,6 +96,7 @@
 #define KV_BF16 1
 #define KV_I8 2
 #define KV_I8G 3 /* keys only: the value pass reads int8 rows of one scale */
+#define KV_BF16P 4 /* keys only: bfloat16, a (block, head) run stored as [D / 2, BS, 2] */
 #define I8_KEY_GROUP 16 /* native.I8_KEY_GROUP, checked against kvflow_i8_key_group */
 
 /* Values per scale in an int8 row of D values. */
@@ -104,7 +108,7 @@ static inline __attribute__((always_inline)) int i8_group(const int kind, const 
 static inline __attribute__((always_inline)) size_t row_bytes(const int kind, const int D) {
     if (kind == KV_I8 || kind == KV_I8G)
         return (size_t)D + sizeof(float) * (size_t)(D / i8_group(kind, D));
-    return (size_t)D * (kind == KV_BF16 ? 2 : 4);
+    return (size_t)D * (kind == KV_BF16 || kind == KV_BF16P ? 2 : 4);
 }
 
 /* Bytes from .. to of `next` (NULL: none) asked into L2, a line at a time. */
@@ -405,6 +409,97 @@ accumulate_eo(float *restrict acc, const float *restrict p, size_t m,
 }
 #endif
 
+/* Scores of keys off .. off + stop - 1 of one (block, head) run of a bfloat16 cache
+ * stored in pairs (KV_BF16P): blk [D / 2, BS, 2], dimensions 2p and 2p + 1 of key b at
+ * blk[(p * BS + b) * 2 + 0, 1]. The G query rows qh [G, D] against 16 keys at a time: one
+ * load a pair of dimensions, widened once (a shift and a mask: the even dimension is the
+ * low half of each 32-bit lane) for the G heads, each head's dimension broadcast into
+ * FMAs whose 16 lanes are the 16 keys' running dot products. No sums across lanes (the
+ * rows' layout spends a transpose tree on every 16 keys, sum16) and no widened copy
+ * stored. dst_g = scores + g * m + (position of key off); *mx (per lane) or mx[g]
+ * (scalar) raised to the scores. The kernel alone, bfloat16 keys over int8 values, 64
+ * sequences of 216-295 tokens, 30 layers' caches, blocks scattered: 0.87-0.89x the rows'
+ * time (score16 on keys widened into `wide`), 0.78-0.81x with the caches hot (Intel Xeon
+ * with AMX, 2 threads, both layouts alternating in one process). With the accumulators
+ * indexed by a run-time parity they lived on the stack: 0.97-1.0x. */
+static inline __attribute__((always_inline)) void
+score_pairs(const float *restrict qh, const uint16_t *restrict blk, int off, int stop, int BS,
+            const int G, const int D, float scale, float *restrict dst, size_t m,
+            float *restrict mx, const char *next, size_t next_row
+#if defined(__AVX512F__)
+            ,
+            __m512 *restrict mx16
+#endif
+) {
+#if defined(__AVX512F__)
+    if (BS % 16 == 0 && G <= 8) {
+        /* G <= 4: four accumulators a head (even / odd dimension, even / odd pair), 12
+         * chains of FMAs at G 3; up to 8 heads two (32 registers); more, the loop below */
+        enum { NA_MAX = 4 };
+        const int NA = G <= 4 ? 4 : 2;
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int c = off / 16 * 16; c < off + stop; c += 16) {
+            /* the next run's share for these 16 keys, a line per pair of dimensions
+             * scored (asked all at once they stall the core on a full miss queue) */
+            const char *ask = next == NULL ? NULL : next + (size_t)c * next_row;
+            const size_t span = (size_t)16 * next_row;
+            __m512 a[8][NA_MAX];
+            for (int g = 0; g < G; g++)
+                for (int k = 0; k < NA; k++) a[g][k] = _mm512_setzero_ps();
+            /* pairs p and p + 1 a round, into accumulators 0-1 and 2-3 (or 0-1 alike): with
+             * the indices fixed the accumulators stay in registers */
+            for (int p = 0; p < D / 2; p += 2) {
+                for (int u = 0; u < 2 && p + u < D / 2; u++) {
+                    const int pu = p + u, k = NA == 4 ? 2 * u : 0;
+                    if (ask != NULL && (size_t)pu * 64 < span) __builtin_prefetch(ask + 64 * pu, 0, 1);
+                    const __m512i x =
+                        _mm512_loadu_si512((const void *)(blk + ((size_t)pu * BS + c) * 2));
+                    const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                    const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+                    for (int g = 0; g < G; g++) {
+                        const float *qg = qh + (size_t)g * D + 2 * pu;
+                        a[g][k] = _mm512_fmadd_ps(e, _mm512_set1_ps(qg[0]), a[g][k]);
+                        a[g][k + 1] = _mm512_fmadd_ps(o, _mm512_set1_ps(qg[1]), a[g][k + 1]);
+                    }
+                }
+            }
+            if (ask != NULL) ask_lines(ask, (size_t)(D / 2) * 64, span); /* the rest, if any */
+            const int lo = c < off ? off - c : 0;
+            const int end = off + stop - c < 16 ? off + stop - c : 16; /* lanes lo .. end - 1 */
+            const __mmask16 keep = (__mmask16)(((1u << end) - 1u) & ~((1u << lo) - 1u));
+            for (int g = 0; g < G; g++) {
+                __m512 s = _mm512_add_ps(a[g][0], a[g][1]);
+                if (NA == 4) s = _mm512_add_ps(s, _mm512_add_ps(a[g][2], a[g][3]));
+                s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+                mx16[g] = _mm512_mask_max_ps(mx16[g], keep, mx16[g], s);
+                float *dg = dst + (size_t)g * m;
+                if (lo == 0 && end == 16) {
+                    _mm512_storeu_ps(dg + (c - off), s);
+                } else {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, s);
+                    for (int l = lo; l < end; l++) dg[c + l - off] = tmp[l];
+                }
+            }
+        }
+        return;
+    }
+#endif
+    ask_lines(next, 0, (size_t)BS * next_row);
+    for (int b = off; b < off + stop; b++)
+        for (int g = 0; g < G; g++) {
+            const float *qg = qh + (size_t)g * D;
+            float s = 0.0f;
+            for (int p = 0; p < D / 2; p++) {
+                const uint16_t *kp = blk + ((size_t)p * BS + b) * 2;
+                s += qg[2 * p] * from_bf16(kp[0]) + qg[2 * p + 1] * from_bf16(kp[1]);
+            }
+            s *= scale;
+            dst[(size_t)g * m + (b - off)] = s;
+            mx[g] = s > mx[g] ? s : mx[g];
+        }
+}
+
 /* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
  * a pointer to them in the cache and, in *stop, how many. */
 static inline const char *block_run(const void *cache, size_t row, const int32_t *table, int t,
@@ -490,6 +585,17 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
                      : run_at(v_cache, row_v, table, (first / BS + past / BS - skip) * BS, len, h,
                               KVH, BS);
         const size_t next_row = past < 0 ? row_k : row_v; /* the rows of the run `next` */
+        if (kind_k == KV_BF16P) {
+            const int off = t % BS;
+            score_pairs(qh, (const uint16_t *)(run - (size_t)off * row_k), off, stop, BS, G, D,
+                        scale, scores + (t - first), (size_t)m, mx, next, next_row
+#if defined(__AVX512F__)
+                        ,
+                        mx16
+#endif
+            );
+            continue;
+        }
         int j = 0;
 #if defined(KVFLOW_DOT_BF16)
         if (dot_bf16) {
@@ -896,4 +1002,24 @@ int kvflow_paged_decode_bf16_i8(const float *q, const void *k_cache, const void 
                                 int max_blocks, float scale, int window) {
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
                         KVH, D, BS, max_blocks, scale, window, KV_BF16, KV_I8);
+}
+
+/* Keys bfloat16 in pairs within a block (KV_BF16P: k_cache [NB, KVH, D / 2, BS, 2]),
+ * values bfloat16 rows or int8 rows with their scale. */
+int kvflow_paged_decode_bf16p(const float *q, const void *k_cache, const void *v_cache,
+                              const int32_t *block_tables, const int32_t *context_lens,
+                              void *out, int out_bf16, int n, int H, int KVH, int D, int BS,
+                              int max_blocks, float scale, int window) {
+    if (D % 2) return 4;
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
+                        KVH, D, BS, max_blocks, scale, window, KV_BF16P, KV_BF16);
+}
+
+int kvflow_paged_decode_bf16p_i8(const float *q, const void *k_cache, const void *v_cache,
+                                 const int32_t *block_tables, const int32_t *context_lens,
+                                 void *out, int out_bf16, int n, int H, int KVH, int D, int BS,
+                                 int max_blocks, float scale, int window) {
+    if (D % 2) return 4;
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
+                        KVH, D, BS, max_blocks, scale, window, KV_BF16P, KV_I8);
 }
