@@ -3,6 +3,8 @@ they replace, on the calling thread and on the OpenMP path (32 tokens and more).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,3 +363,68 @@ def test_int8_and_qk_norm_layers_keep_the_torch_ops(tiny_model_dir) -> None:
     assert not any(layer.takes_layer_ops for layer in int8.model.layers)
     plain = load_model(str(tiny_model_dir("llama3")))
     assert all(layer.takes_layer_ops for layer in plain.model.layers)
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "width"), [(64, 49152, 16), (3, 1000, 16), (5, 37, 7), (2, 70, 64)]
+)
+def test_widen_top_widens_and_picks_each_rows_best(
+    ops: NativeKernels, rows: int, vocab: int, width: int
+) -> None:
+    """One pass over bfloat16 logits: their float32 values exactly, and the columns of each
+    row's `width` best, best first, the lower column first among equal values (a vocabulary
+    that is no multiple of the 32-value blocks included; bfloat16 values tie often)."""
+    g = torch.Generator().manual_seed(vocab + width)
+    x = (torch.randn(rows, vocab, generator=g) * 3).bfloat16()
+    x[0, -1] = 40.0  # the best in the last (short) block
+    wide, cols = ops.widen_top(x, width)
+    assert wide.dtype == torch.float32 and torch.equal(wide, x.float())
+    assert cols.shape == (rows, width) and cols.dtype == torch.int64
+    assert cols[0, 0] == vocab - 1
+    picked = wide.gather(1, cols)
+    assert torch.equal(picked, wide.topk(width, -1).values)  # the best values, in order
+    # best first, equal values in column order: a stable descending sort's first `width`
+    assert torch.equal(cols, wide.sort(dim=-1, descending=True, stable=True).indices[:, :width])
+    with pytest.raises(ValueError, match="a width of 1"):
+        ops.widen_top(x, 0)
+    with pytest.raises(ValueError, match="bfloat16 logits"):
+        ops.widen_top(x.float(), width)
+
+
+def test_argmax_rows_is_torch_argmax(ops: NativeKernels) -> None:
+    """The first column of each row's largest value, ties (bfloat16 values) and rows of
+    -inf with one finite value included, as torch.argmax gives it."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 49152, generator=g).bfloat16().float()
+    x[1, 7] = x[1, 30000] = 60.0  # a tie for the best: the first
+    x[2] = -torch.inf
+    x[2, 49151] = -1e30
+    small = torch.randn(4, 70, generator=g)
+    for t in (x, small):
+        assert torch.equal(ops.argmax_rows(t), t.argmax(-1))
+    with pytest.raises(ValueError, match="float32 rows"):
+        ops.argmax_rows(x.t())
+
+
+def test_the_sampler_picks_the_same_tokens_through_the_c_argmax(ops: NativeKernels) -> None:
+    """Greedy rows (alone, and beside others, penalized), and seeded random rows (whose
+    race ends in an argmax): the same tokens with the C argmax as with torch's."""
+    from worker.model.sampler import Sampler, SamplingRow
+    from worker.request import SamplingParams
+
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(6, 5000, generator=g).bfloat16().float() * 4  # ties among them
+    greedy = SamplingParams(temperature=0.0)
+    rows = [
+        SamplingRow(greedy, 0, (), (), ()),
+        SamplingRow(dataclasses.replace(greedy, repetition_penalty=1.3), 2, (5, 9), (7,), ()),
+        SamplingRow(SamplingParams(temperature=0.8, seed=3), 0, (), (), ()),
+        SamplingRow(SamplingParams(temperature=1.2, seed=4), 5, (), (), ()),
+        SamplingRow(greedy, 1, (), (), ()),
+        SamplingRow(SamplingParams(temperature=1.0), 0, (), (), ()),  # inverse CDF, no argmax
+    ]
+    for chosen in (rows, rows[:1] + rows[4:5], rows[2:4]):
+        n = len(chosen)
+        torch_picks = Sampler(seed=1)(logits[:n].clone(), chosen).token_ids
+        c_picks = Sampler(seed=1, row_argmax=ops.argmax_rows)(logits[:n].clone(), chosen)
+        assert c_picks.token_ids == torch_picks

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from worker.model.llama import NARROW_HEAD_MIN_HIDDEN, RESCORED, Linear, padded_rows
 from worker.model.loader import load_model
+from worker.model.native import load_native
 
 
 def test_padded_rows_are_few_buckets_never_below_the_need() -> None:
@@ -42,11 +43,16 @@ def test_same_dtype_linear_is_a_plain_linear() -> None:
     torch.testing.assert_close(lin(x), x @ lin.weight.T)
 
 
+@pytest.mark.parametrize("c_pass", [False, True])
 @pytest.mark.parametrize("variant", ["smollm2", "llama3"])  # tied and untied output weights
 def test_a_narrow_output_projection_keeps_the_winning_candidates_exact(
-    tiny_model_dir: Callable[[str], Path], variant: str
+    tiny_model_dir: Callable[[str], Path], variant: str, c_pass: bool
 ) -> None:
-    """bfloat16 logits everywhere, float32's own scores for each row's best RESCORED."""
+    """bfloat16 logits everywhere, float32's own scores for each row's best RESCORED;
+    through torch, or with the C kernels (the logits widened and their candidates picked
+    in one pass: kernels/logits.c)."""
+    ops = load_native().kernels if c_pass else None
+    assert ops is not None or not c_pass, "the C kernels build wherever these tests run"
     model = load_model(str(tiny_model_dir(variant)), dtype="bfloat16").model
     # Too small a hidden size for the loader to narrow the projection (below).
     assert model.config.hidden_size < NARROW_HEAD_MIN_HIDDEN and model.narrow_head is None
@@ -57,7 +63,7 @@ def test_a_narrow_output_projection_keeps_the_winning_candidates_exact(
     g = torch.Generator().manual_seed(21)
     hidden = torch.randn(37, weight.shape[1], generator=g)
     with torch.inference_mode():
-        got = model.compute_logits(hidden)
+        got = model.compute_logits(hidden, ops)
         h = model.norm(hidden)
         exact = h @ weight.T  # [S, V] float32
         narrow = F.linear(h.bfloat16(), weight.bfloat16()).float()

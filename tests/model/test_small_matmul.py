@@ -10,6 +10,7 @@ import torch
 
 from tests.model.builds import load_build
 from worker.hardware import read_cpu_flags
+from worker.model.candidates import top_candidates
 from worker.model.llama import ROWS_KERNEL_MAX, Linear, LlamaForCausalLM
 from worker.model.native import NativeKernels, rows_layout
 from worker.model.packing import attach_rows_weights
@@ -173,6 +174,11 @@ class _Refusing:
 
     def matmul_rows(self, *args: object) -> torch.Tensor:
         raise AssertionError("the row kernel was called")
+
+    def widen_top(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the C pass over a narrow head's logits returns, as torch's path makes it."""
+        wide = x.float()
+        return wide, top_candidates(wide, width)[1]
 
 
 def test_linear_takes_the_kernel_up_to_its_row_limit_only(ops: NativeKernels) -> None:

@@ -265,7 +265,12 @@ class ModelRunner:
         if cpu:
             torch.set_num_threads(self._threads)
             allocator = keep_freed_memory()
-        self.sampler = Sampler(self.device, seed=0)
+        # greedy picks by the C kernels' argmax where they are built (CPU)
+        self.sampler = Sampler(
+            self.device,
+            seed=0,
+            row_argmax=self.native.argmax_rows if self.native is not None else None,
+        )
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )

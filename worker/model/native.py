@@ -271,6 +271,34 @@ class NativeKernels:
         if failed:
             raise MemoryError("prompt attention could not allocate its widened keys")
 
+    def widen_top(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bfloat16 logits x [S, V] -> (their float32 values [S, V], the columns [S, width]
+        int64 of each row's `width` largest, best first), in one pass over each row
+        (kernels/logits.c)."""
+        _expect(
+            x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous(),
+            "contiguous [S, V] bfloat16 logits",
+            x,
+        )
+        S, V = x.shape
+        _expect(1 <= width <= min(V, WIDTH_MAX), f"a width of 1 .. {min(V, WIDTH_MAX)}", width)
+        out = torch.empty(S, V, dtype=torch.float32)
+        cols = torch.empty(S, width, dtype=torch.int64)
+        self.lib.kvflow_widen_top(x.data_ptr(), out.data_ptr(), S, V, width, cols.data_ptr())
+        return out, cols
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, -1) of float32 rows x [S, V], contiguous: [S] int64
+        (kernels/logits.c)."""
+        _expect(
+            x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous(),
+            "contiguous [S, V] float32 rows",
+            x,
+        )
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.kvflow_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
     def rms_norm(
         self,
         x: torch.Tensor,  # [T, C] float32, contiguous
@@ -560,6 +588,8 @@ DECODE_ENTRIES = {
     (torch.int8, torch.int8): "kvflow_paged_decode_i8",
     (torch.bfloat16, torch.int8): "kvflow_paged_decode_bf16_i8",
 }
+# The most candidates a row of logits gives `widen_top` (kernels/logits.c's WIDTH_MAX).
+WIDTH_MAX = 64
 # Likewise for bfloat16 keys stored in pairs within a block (`key_pairs`).
 PAIRS_ENTRIES = {
     (torch.bfloat16, torch.bfloat16): "kvflow_paged_decode_bf16p",
@@ -731,6 +761,10 @@ def load_native(
     lib.kvflow_rms_norm.argtypes = (
         [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
     )
+    lib.kvflow_widen_top.restype = ctypes.c_int
+    lib.kvflow_widen_top.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    lib.kvflow_argmax_rows.restype = None
+    lib.kvflow_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kvflow_silu_mul.restype = None
     lib.kvflow_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
     lib.kvflow_rope_store.restype = None

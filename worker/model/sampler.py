@@ -24,7 +24,7 @@ top_k threshold are all kept, as in vLLM.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,7 +38,6 @@ __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs"]
 
 # Candidate widths tried, in order, for rows with top_k / top_p / min_p; then a full sort.
 _CANDIDATE_WIDTHS = (64, 1024)
-# Block sizes for the two-level argmax (several times faster than torch.argmax on CPU)
 # Temperatures below this sample greedily, as in vLLM: 1 / T would overflow float32.
 _MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
@@ -48,12 +47,26 @@ class Sampler:
     """Samples one token per row of a [N, V] logits tensor; see the module docstring.
 
     `seed` seeds the sampler's own generator, used by rows without a seed of their own.
+    `row_argmax` (CPU: the C kernels' `argmax_rows`), where given, takes the argmax of
+    contiguous float32 rows in place of the two-level torch one.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        row_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.device = resolve_device(str(device))  # with its index, as tensors report it
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
+        self._row_argmax = row_argmax
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, -1) of x [R, V]."""
+        if self._row_argmax is not None and x.dtype == torch.float32 and x.is_contiguous():
+            return self._row_argmax(x)
+        return argmax(x)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2:
@@ -89,7 +102,7 @@ class Sampler:
             else:
                 x = penalized(logits.index_select(0, idx), group, shared=False)
             # x: [len(ids), V] float32, read only from here on.
-            tokens[idx] = argmax(x) if race is None else race(x, group)
+            tokens[idx] = self._argmax(x) if race is None else race(x, group)
         return _output(logits, rows, tokens)
 
     def _race_full(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -106,13 +119,13 @@ class Sampler:
         if not seeded:
             return self._inverse_cdf(q)
         if len(seeded) == len(rows):
-            return argmax(q.div_(self._race_times(rows, x.shape[1], x.device)))
+            return self._argmax(q.div_(self._race_times(rows, x.shape[1], x.device)))
         out = torch.empty(len(rows), dtype=torch.int64, device=x.device)
         s_idx = index_tensor(seeded, x.device)
         plain = [j for j in range(len(rows)) if rows[j].params.seed is None]
         p_idx = index_tensor(plain, x.device)
         qs = q.index_select(0, s_idx)
-        out[s_idx] = argmax(
+        out[s_idx] = self._argmax(
             qs.div_(self._race_times([rows[j] for j in seeded], x.shape[1], x.device))
         )
         out[p_idx] = self._inverse_cdf(q.index_select(0, p_idx))
