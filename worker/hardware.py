@@ -290,6 +290,8 @@ def choose_key_layout(
     in_place_decode: bool,
     prefill_attention: str,
     cpu_flags: frozenset[str],
+    group: int,
+    block_size: int,
 ) -> DtypeChoice:
     """How a block of the keys' cache is laid out on CPU: "rows" ([block_size, D] a KV
     head, a key's values together), or "pairs" ([D / 2, block_size, 2]: dimensions 2p and
@@ -309,7 +311,10 @@ def choose_key_layout(
     ones, 0.78-0.81x with one layer's cache read 30 times (in the last-level cache), and
     batch-64 decode steps 0.97x / 0.95x (attention 16.6 against 19.1 ms), batch-16 steps
     0.93x / 0.96x (two alternating runs of `ops/bench/step_profile.py --batches 16,64
-    --key-layout`). Elsewhere unmeasured, rows."""
+    --key-layout`). Elsewhere unmeasured, rows. Nor where the kernel's vector path does
+    not take the shape (blocks of a multiple of 16 keys, at most 8 query heads a KV head,
+    AVX-512): its per-key loop took 2-3x the rows' time (16 query heads a KV head, or
+    blocks of 8 keys, on the same Xeon). Asked for explicitly, pairs run at any shape."""
     if requested not in KEY_LAYOUTS:
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {requested!r}")
     why_not = None
@@ -331,6 +336,13 @@ def choose_key_layout(
         return DtypeChoice("rows", f"auto: {why_not}")
     if "amx_bf16" not in cpu_flags:
         return DtypeChoice("rows", "auto: pairs are measured faster on CPUs with AMX only")
+    if block_size % 16 or group > 8 or "avx512f" not in cpu_flags:
+        return DtypeChoice(
+            "rows",
+            f"auto: the kernel scores pairs 16 keys a vector only with AVX-512, blocks of a "
+            f"multiple of 16 keys and at most 8 query heads a KV head (here {group} over "
+            f"blocks of {block_size})",
+        )
     return DtypeChoice("pairs", "auto: bfloat16 keys read in place on a CPU with AMX")
 
 

@@ -205,9 +205,12 @@ def test_bfloat16_decode_close_to_reference(
     assert runner.kv_dtype == getattr(torch, kv_cache_dtype)
     dim = runner.model.config.head_dim  # int8 keys: a float32 scale per 16 values
     key_row = dim + dim // 4 if kv_cache_dtype == "int8" else dim
-    # one KV head's run of a block, BS keys of key_row values (as rows, or bfloat16 keys in
-    # pairs where auto takes them: a CPU with AMX)
-    assert runner.kv_caches[0][0][0, 0].numel() == BS * key_row
+    # BS keys of key_row values a block and KV head: as rows, or bfloat16 keys in pairs
+    # where auto takes them (a CPU with AMX)
+    keys = runner.kv_caches[0][0]
+    NB, KVH = keys.shape[:2]
+    rows, pairs = (NB, KVH, BS, key_row), (NB, KVH, dim // 2, BS, 2)
+    assert keys.shape == (pairs if runner.info.key_layout.startswith("pairs") else rows)
     toks = torch.randint(0, 49152, (28,), generator=torch.Generator().manual_seed(5)).tolist()
     want = _ref_logits(ref, toks)
     blocks = list(range(7))

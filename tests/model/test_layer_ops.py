@@ -399,6 +399,7 @@ def test_argmax_rows_is_torch_argmax(ops: NativeKernels) -> None:
     x[1, 7] = x[1, 30000] = 60.0  # a tie for the best: the first
     x[2] = -torch.inf
     x[2, 49151] = -1e30
+    x[3] = -torch.inf  # nothing but -inf: the first column, as torch gives it
     small = torch.randn(4, 70, generator=g)
     for t in (x, small):
         assert torch.equal(ops.argmax_rows(t), t.argmax(-1))
@@ -413,7 +414,8 @@ def test_the_sampler_picks_the_same_tokens_through_the_c_argmax(ops: NativeKerne
     from worker.request import SamplingParams
 
     g = torch.Generator().manual_seed(12)
-    logits = torch.randn(6, 5000, generator=g).bfloat16().float() * 4  # ties among them
+    logits = torch.randn(6, 5000, generator=g) * 4
+    logits[0, 10] = logits[0, 4000] = logits[4, 7] = logits[4, 9] = 30.0  # ties for the best
     greedy = SamplingParams(temperature=0.0)
     rows = [
         SamplingRow(greedy, 0, (), (), ()),
@@ -423,8 +425,31 @@ def test_the_sampler_picks_the_same_tokens_through_the_c_argmax(ops: NativeKerne
         SamplingRow(greedy, 1, (), (), ()),
         SamplingRow(SamplingParams(temperature=1.0), 0, (), (), ()),  # inverse CDF, no argmax
     ]
-    for chosen in (rows, rows[:1] + rows[4:5], rows[2:4]):
-        n = len(chosen)
-        torch_picks = Sampler(seed=1)(logits[:n].clone(), chosen).token_ids
-        c_picks = Sampler(seed=1, row_argmax=ops.argmax_rows)(logits[:n].clone(), chosen)
-        assert c_picks.token_ids == torch_picks
+    calls = []
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return ops.argmax_rows(x)
+
+    for ids in ([0, 1, 2, 3, 4, 5], [0, 4], [2, 3]):
+        chosen, x = [rows[i] for i in ids], logits[ids]
+        torch_picks = Sampler(seed=1)(x.clone(), chosen).token_ids
+        c_picks = Sampler(seed=1, row_argmax=counted)(x.clone(), chosen).token_ids
+        assert c_picks == torch_picks
+    # the C argmax did the picking: the 3 greedy rows, then the 2 seeded ones' race (the
+    # unseeded row beside them draws by inverse CDF); then each set alone
+    assert calls == [3, 2, 2, 2]
+
+
+@pytest.mark.parametrize("tokens", [3, 300])
+def test_silu_mul_rounds_to_bfloat16_as_torch_rounds(ops: NativeKernels, tokens: int) -> None:
+    """SiLU and multiply into bfloat16 rows is its float32 result rounded as torch rounds,
+    bit for bit: a row of 700 values (chunks of 512 and a remainder, runs of 16 and a
+    tail), products that are denormal in float32, zeros, large values."""
+    g = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * 700, generator=g) * 4).bfloat16()
+    gate_up[0, :4] = 1.0
+    gate_up[0, 700:704] = torch.tensor([1e-39, -3e-39, 0.0, 1e30]).bfloat16()
+    wide = ops.silu_mul(gate_up, torch.float32, tokens)
+    narrow = ops.silu_mul(gate_up, torch.bfloat16, tokens)
+    assert torch.equal(narrow.view(torch.int16), wide.bfloat16().view(torch.int16))

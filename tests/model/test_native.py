@@ -334,6 +334,17 @@ def test_keys_in_pairs_are_refused_where_they_cannot_be_read(kernels: NativeKern
         kernels.paged_decode(q, to_pairs(k_cache), v_cache, *args)
     with pytest.raises(ValueError, match=r"keys in pairs \(128, 3, 32, 16, 2\)"):
         kernels.paged_decode(q, pairs[:, :, :16].contiguous(), v16, *args)
+    odd = torch.zeros(128, 3, 4, bs, 2, dtype=torch.bfloat16)  # 4 pairs: no head of 9
+    with pytest.raises(ValueError, match="an even head size for keys in pairs"):
+        kernels.paged_decode(
+            q[..., :9].contiguous(),
+            odd,
+            v16[..., :9].contiguous(),
+            *args[:2],
+            q[..., :9].clone(),
+            0.3,
+            0,
+        )
     with pytest.raises(ValueError, match="keys in rows"):
         kernels.prefill_attention(
             q[:1].contiguous(), pairs, v16, tables[0].to(torch.int32), 3, q[:1].clone(), 0.125

@@ -394,11 +394,20 @@ def test_the_environment_s_malloc_settings_win() -> None:
 
 def test_keys_in_pairs_where_the_c_kernel_reads_bfloat16_keys_on_a_cpu_with_amx() -> None:
     amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16"})
+    shape = (3, 16)  # the default model's query heads a KV head, the default block size
     for kv in ("bfloat16", "bfloat16-int8"):
-        auto = choose_key_layout("auto", "cpu", kv, True, "bfloat16", amx)
+        auto = choose_key_layout("auto", "cpu", kv, True, "bfloat16", amx, *shape)
         assert auto.dtype == "pairs" and "AMX" in auto.reason
+    # shapes the kernel's vector path does not take (its per-key loop: 2-3x the rows'
+    # time), or a build without AVX-512: rows, saying why; asked for, pairs all the same
+    for flags, group, bs in ((amx, 16, 16), (amx, 3, 8), (amx - {"avx512f"}, 3, 16)):
+        auto = choose_key_layout("auto", "cpu", "bfloat16", True, "bfloat16", flags, group, bs)
+        assert auto.dtype == "rows" and "16 keys a vector only" in auto.reason
+        assert f"here {group} over blocks of {bs}" in auto.reason
+        asked = choose_key_layout("pairs", "cpu", "bfloat16", True, "bfloat16", flags, group, bs)
+        assert asked.dtype == "pairs"
     # unmeasured without AMX: rows, and why
-    zen4 = choose_key_layout("auto", "cpu", "bfloat16", True, "native", amx - {"amx_bf16"})
+    zen4 = choose_key_layout("auto", "cpu", "bfloat16", True, "native", amx - {"amx_bf16"}, *shape)
     assert zen4.dtype == "rows" and "AMX" in zen4.reason
     # what pairs cannot be: auto says why it takes rows, an explicit ask is refused
     for device, kv, in_place, prefill, why in (
@@ -408,16 +417,18 @@ def test_keys_in_pairs_where_the_c_kernel_reads_bfloat16_keys_on_a_cpu_with_amx(
         ("cpu", "bfloat16", False, "bfloat16", "lacks"),
         ("cpu", "bfloat16", True, "flash", "prompt kernel"),
     ):
-        auto = choose_key_layout("auto", device, kv, in_place, prefill, amx)
+        auto = choose_key_layout("auto", device, kv, in_place, prefill, amx, *shape)
         assert auto.dtype == "rows" and why in auto.reason
         with pytest.raises(ValueError, match=f"key_layout 'pairs' is not possible here: .*{why}"):
-            choose_key_layout("pairs", device, kv, in_place, prefill, amx)
-    assert choose_key_layout("rows", "cpu", "bfloat16", True, "bfloat16", amx).dtype == "rows"
-    assert choose_key_layout("pairs", "cpu", "bfloat16", True, "native", frozenset()).dtype == (
-        "pairs"
+            choose_key_layout("pairs", device, kv, in_place, prefill, amx, *shape)
+    assert (
+        choose_key_layout("rows", "cpu", "bfloat16", True, "bfloat16", amx, *shape).dtype == "rows"
     )
+    assert choose_key_layout(
+        "pairs", "cpu", "bfloat16", True, "native", frozenset(), *shape
+    ).dtype == ("pairs")
     with pytest.raises(ValueError, match="key_layout must be one of"):
-        choose_key_layout("columns", "cpu", "bfloat16", True, "bfloat16", amx)
+        choose_key_layout("columns", "cpu", "bfloat16", True, "bfloat16", amx, *shape)
     # the engine's setting, from the environment too, checked when the config is built
     assert EngineConfig.from_env({"KVFLOW_KEY_LAYOUT": "pairs"}).key_layout == "pairs"
     with pytest.raises(ValueError, match="key_layout must be one of"):

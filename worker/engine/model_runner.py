@@ -225,6 +225,8 @@ class ModelRunner:
             in_place_decode=self.native is not None,
             prefill_attention=prefill.dtype,
             cpu_flags=read_cpu_flags(),
+            group=mcfg.num_heads // mcfg.num_kv_heads,
+            block_size=self.block_size,
         )
         k_row = cache_row(self.kv_dtype, mcfg.head_dim, keys=True)
         v_row = cache_row(self.v_dtype, mcfg.head_dim, keys=False)

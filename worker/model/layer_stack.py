@@ -190,11 +190,7 @@ class LayerStack:
         self.store_flags = store_flags(k_dtype, v_dtype, self.D)  # kvflow_rope_store's
         # bfloat16 keys in pairs within a block, or rows (native.key_pairs)
         self.k_pairs = int(key_pairs(kv_caches[0][0]))
-        self.decode = (
-            kernels.pairs_decode_entry(v_dtype)
-            if self.k_pairs
-            else kernels.paged_decode_entry(k_dtype, v_dtype)
-        )
+        self.decode = kernels.decode_entry(*kv_caches[0])
         R, C, H, D, inter = MAX_ROWS, self.C, self.H, self.D, self.inter
         qkv_cols = (H + 2 * self.KVH) * D
         self.buffers = {

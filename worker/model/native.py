@@ -156,10 +156,12 @@ class NativeKernels:
         entry: Callable[..., int] = getattr(self.lib, DECODE_ENTRIES[k_dtype, v_dtype or k_dtype])
         return entry
 
-    def pairs_decode_entry(self, v_dtype: torch.dtype) -> Callable[..., int]:
-        """The decode attention for bfloat16 keys in pairs (`key_pairs`) over values of
-        `v_dtype` (bfloat16 or int8)."""
-        entry: Callable[..., int] = getattr(self.lib, PAIRS_ENTRIES[torch.bfloat16, v_dtype])
+    def decode_entry(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Callable[..., int]:
+        """The decode attention for these caches: by their dtypes, and for bfloat16 keys in
+        pairs (`key_pairs`) the pairs' entry."""
+        if not key_pairs(k_cache):
+            return self.paged_decode_entry(k_cache.dtype, v_cache.dtype)
+        entry: Callable[..., int] = getattr(self.lib, PAIRS_ENTRIES[k_cache.dtype, v_cache.dtype])
         return entry
 
     def paged_decode(
@@ -183,12 +185,7 @@ class NativeKernels:
         _check_rows(q, float32_only=True)
         _check_rows(out)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
-        entry = (
-            self.pairs_decode_entry(v_cache.dtype)
-            if key_pairs(k_cache)
-            else self.paged_decode_entry(k_cache.dtype, v_cache.dtype)
-        )
-        failed = entry(
+        failed = self.decode_entry(k_cache, v_cache)(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -209,6 +206,8 @@ class NativeKernels:
             raise ValueError(
                 f"{H} query heads do not group over {KVH} KV heads (at most {MAX_GROUP} each)"
             )
+        if failed == 4:
+            raise ValueError(f"keys in pairs need an even head size, not {D}")
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
 
@@ -276,23 +275,24 @@ class NativeKernels:
         int64 of each row's `width` largest, best first), in one pass over each row
         (kernels/logits.c)."""
         _expect(
-            x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous(),
-            "contiguous [S, V] bfloat16 logits",
+            x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous() and not x.is_cuda,
+            "contiguous [S, V] bfloat16 logits on the CPU",
             x,
         )
         S, V = x.shape
         _expect(1 <= width <= min(V, WIDTH_MAX), f"a width of 1 .. {min(V, WIDTH_MAX)}", width)
         out = torch.empty(S, V, dtype=torch.float32)
         cols = torch.empty(S, width, dtype=torch.int64)
-        self.lib.kvflow_widen_top(x.data_ptr(), out.data_ptr(), S, V, width, cols.data_ptr())
+        if self.lib.kvflow_widen_top(x.data_ptr(), out.data_ptr(), S, V, width, cols.data_ptr()):
+            raise RuntimeError(f"the C library refused {width} candidates a row (its WIDTH_MAX)")
         return out, cols
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) of float32 rows x [S, V], contiguous: [S] int64
         (kernels/logits.c)."""
         _expect(
-            x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous(),
-            "contiguous [S, V] float32 rows",
+            x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda,
+            "contiguous [S, V] float32 rows on the CPU",
             x,
         )
         out = torch.empty(x.shape[0], dtype=torch.int64)
@@ -379,6 +379,7 @@ class NativeKernels:
         `kv_out` k and v are only stored (None returned for them)."""
         _check_rows(qkv)
         _check_rows(cos, sin, float32_only=True)
+        _expect(v_cache.dim() == 4, "a values' cache [NB, KVH, BS, row]", v_cache)
         _, KVH, BS, _ = v_cache.shape
         T, H = cos.shape[0], num_heads
         D = qkv.shape[1] // (H + 2 * KVH)  # the cache's rows: D values (int8: and scales)
@@ -644,8 +645,9 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str
             _expect(cache.dim() == 4 and cache.shape[-1] == row, f"cache rows of {row}", cache)
     NB, KVH, BS, _ = v_cache.shape
     if pairs:
+        _expect(D % 2 == 0, "an even head size for keys in pairs", D)
         want = (NB, KVH, D // 2, BS, 2)
-        _expect(D % 2 == 0 and k_cache.shape == want, f"keys in pairs {want}", k_cache)
+        _expect(k_cache.shape == want, f"keys in pairs {want}", k_cache)
     # the kernels index both by the same blocks, heads and block size, in place
     _expect(
         k_cache.shape[:2] == v_cache.shape[:2]

@@ -64,7 +64,12 @@ class Sampler:
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) of x [R, V]."""
-        if self._row_argmax is not None and x.dtype == torch.float32 and x.is_contiguous():
+        if (
+            self._row_argmax is not None
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+        ):
             return self._row_argmax(x)
         return argmax(x)
 

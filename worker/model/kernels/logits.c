@@ -2,7 +2,9 @@
  *
  *   kvflow_widen_top   x [S, V] bfloat16 -> out [S, V] float32 (each value widened: exact),
  *                      and cols [S, width] int64: the columns of each row's `width` largest
- *                      values, best first (equal values: the lower column first)
+ *                      values, best first (equal values: the lower column first; NaN is
+ *                      never picked, where torch's topk would rank it first)
+ *   kvflow_argmax_rows x [S, V] float32 -> out [S] int64, torch.argmax's columns
  *
  * One pass over a row both widens it and takes the maxima of its blocks of BLOCK values;
  * the best `width` values lie in the `width` blocks with the highest maxima (a block left
@@ -78,7 +80,9 @@ int kvflow_widen_top(const uint16_t *x, float *out, int S, int V, int width, int
 }
 
 /* out[s] = the first column of row s's largest value, x [S, V] float32 (torch.argmax
- * over the last dimension; a row of nothing above -FLT_MAX gives column 0). Two passes
+ * over the last dimension; a row of nothing above -FLT_MAX, -inf throughout, gives column
+ * 0 as torch does). Not for rows holding NaN, which torch would pick: the library is
+ * built to assume finite arithmetic, and an engine's logits hold none. Two passes
  * over a row, the second stopping at the maximum: the row (192 KB at V 49152) is in L2
  * by then. torch's two-level argmax (block maxima, then the best block) took three passes
  * through memory. */
