@@ -78,7 +78,12 @@ class Linear(nn.Module):
         bucketed = self.packed and self.rows_for(rows) != rows
         if x.dim() != 2 or (x.dtype == self.weight.dtype and not bucketed):
             return self.matmul(x)
-        return self.matmul(self.narrow_input(x), rows, ops)[:rows].to(x.dtype)
+        return self.forward_narrow(x, ops).to(x.dtype)
+
+    def forward_narrow(self, x: torch.Tensor, ops: NativeKernels | None = None) -> torch.Tensor:
+        """[rows, in] -> [rows, out] in the weights' dtype: x cast and padded for the
+        matmul, the result left as the matmul gives it."""
+        return self.matmul(self.narrow_input(x), x.shape[0], ops)[: x.shape[0]]
 
     @property
     def packed(self) -> bool:
@@ -429,14 +434,13 @@ class LlamaForCausalLM(nn.Module):
         if self.narrow_head is None:
             return F.linear(h.to(weight.dtype), weight).float()
         head = self.narrow_head
-        S, k = h.shape[0], min(RESCORED, self.output_weight.shape[0])
+        k = min(RESCORED, self.output_weight.shape[0])
         if ops is not None and isinstance(head, Linear) and head.weight.dtype == torch.bfloat16:
             # [S, V] bfloat16, widened and its candidates picked in one pass over each row
             # (kernels/logits.c) rather than three of torch's: with the sampler's argmax
             # in C too, batch-64 decode steps 0.94-0.96x the time, batch 32 0.97x, batch
             # 16 0.98x (Intel Xeon with AMX, both ways alternating step by step)
-            narrow = head.matmul(head.narrow_input(h), S, ops)[:S]
-            logits, top = ops.widen_top(narrow, k)
+            logits, top = ops.widen_top(head.forward_narrow(h, ops), k)
         else:
             # [S, V], the narrow copy's rounding
             logits = (head(h, ops) if isinstance(head, Linear) else head(h)).float()

@@ -648,10 +648,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, verb: str
         _expect(D % 2 == 0, "an even head size for keys in pairs", D)
         want = (NB, KVH, D // 2, BS, 2)
         _expect(k_cache.shape == want, f"keys in pairs {want}", k_cache)
-    # the kernels index both by the same blocks, heads and block size, in place
+    # the kernels index both by the same blocks, heads and block size (pairs: checked
+    # above), in place
     _expect(
-        k_cache.shape[:2] == v_cache.shape[:2]
-        and k_cache.shape[-2 if pairs else 2] == BS
+        (pairs or k_cache.shape[:3] == v_cache.shape[:3])
         and k_cache.is_contiguous()
         and v_cache.is_contiguous(),
         f"contiguous caches of the same blocks {tuple(v_cache.shape[:3])}",

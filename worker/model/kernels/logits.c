@@ -54,17 +54,10 @@ int kvflow_widen_top(const uint16_t *x, float *out, int S, int V, int width, int
         for (int b = 0; b < nb; b++) {
             const int lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
             float mx = -FLT_MAX;
-            if (hi - lo == BLOCK) {
 #pragma omp simd reduction(max : mx)
-                for (int i = lo; i < lo + BLOCK; i++) {
-                    o[i] = from_bf16(xr[i]);
-                    mx = o[i] > mx ? o[i] : mx;
-                }
-            } else {
-                for (int i = lo; i < hi; i++) {
-                    o[i] = from_bf16(xr[i]);
-                    mx = o[i] > mx ? o[i] : mx;
-                }
+            for (int i = lo; i < hi; i++) {
+                o[i] = from_bf16(xr[i]);
+                mx = o[i] > mx ? o[i] : mx;
             }
             keep_best(top_v, top_b, &nt, width, mx, b);
         }

@@ -878,6 +878,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
     const int G = H / KVH;
     if (G > MAX_GROUP || G * KVH != H) return 2;
     if (kind_v == KV_I8G) return 3; /* values are int8 rows of one scale, never grouped */
+    if (kind_k == KV_BF16P && D % 2) return 4; /* keys in pairs: an even head size */
     int max_len = 1;
     for (int i = 0; i < n; i++)
         if (context_lens[i] > max_len) max_len = context_lens[i];
@@ -1010,7 +1011,6 @@ int kvflow_paged_decode_bf16p(const float *q, const void *k_cache, const void *v
                               const int32_t *block_tables, const int32_t *context_lens,
                               void *out, int out_bf16, int n, int H, int KVH, int D, int BS,
                               int max_blocks, float scale, int window) {
-    if (D % 2) return 4;
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
                         KVH, D, BS, max_blocks, scale, window, KV_BF16P, KV_BF16);
 }
@@ -1019,7 +1019,6 @@ int kvflow_paged_decode_bf16p_i8(const float *q, const void *k_cache, const void
                                  const int32_t *block_tables, const int32_t *context_lens,
                                  void *out, int out_bf16, int n, int H, int KVH, int D, int BS,
                                  int max_blocks, float scale, int window) {
-    if (D % 2) return 4;
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, out_bf16, n, H,
                         KVH, D, BS, max_blocks, scale, window, KV_BF16P, KV_I8);
 }
