@@ -136,8 +136,8 @@ def engine_options(fn: F) -> F:
             default=None,
             help="Layout of a bfloat16 keys' cache block (CPU): rows, or pairs (each pair of "
             "dimensions of the block's keys together, which the C decode kernel scores "
-            "without sums across lanes); auto takes pairs on a CPU with AMX where decode "
-            "reads bfloat16 keys in place.",
+            "without sums across lanes); auto takes pairs on a CPU with AVX-512 where "
+            "decode reads bfloat16 keys in place.",
         ),
         click.option(
             "--tune-batch/--no-tune-batch",

@@ -88,7 +88,7 @@ class EngineConfig:
     # How a bfloat16 keys' cache lays out a block: "rows" (a key's D values together) or
     # "pairs" (each pair of dimensions of a block's keys together, [D / 2, block_size, 2]
     # a head: the C decode kernel scores 16 keys a vector without sums across lanes);
-    # "auto" takes pairs behind bfloat16 keys read in place on a CPU with AMX
+    # "auto" takes pairs behind bfloat16 keys read in place on a CPU with AVX-512
     # (worker.hardware.choose_key_layout).
     key_layout: str = "auto"
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,

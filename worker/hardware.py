@@ -304,17 +304,22 @@ def choose_key_layout(
     Pairs need bfloat16 keys ("bfloat16" or "bfloat16-int8"), decode attention in place
     (the C kernel) and prompts not attended by the C prompt kernel ("flash": it reads key
     rows); torch's gather paths put pairs back into rows where they read the cache (a
-    prompt continuing a cached prefix, under SDPA). Auto takes them on a CPU with AMX:
-    on an Intel Xeon with AMX the decode kernel alone
-    (64 sequences of 216-295 tokens, 30 layers' caches, blocks scattered, both layouts
-    alternating) took 0.87-0.89x the rows' time over int8 values and 0.88x over bfloat16
-    ones, 0.78-0.81x with one layer's cache read 30 times (in the last-level cache), and
-    batch-64 decode steps 0.97x / 0.95x (attention 16.6 against 19.1 ms), batch-16 steps
-    0.93x / 0.96x (two alternating runs of `ops/bench/step_profile.py --batches 16,64
-    --key-layout`). Elsewhere unmeasured, rows. Nor where the kernel's vector path does
-    not take the shape (blocks of a multiple of 16 keys, at most 8 query heads a KV head,
-    AVX-512): its per-key loop took 2-3x the rows' time (16 query heads a KV head, or
-    blocks of 8 keys, on the same Xeon). Asked for explicitly, pairs run at any shape."""
+    prompt continuing a cached prefix, under SDPA). Auto takes them wherever the kernel's
+    vector path takes the shape: AVX-512, blocks of a multiple of 16 keys, at most 8 query
+    heads a KV head. Measured on two CPUs (`ops/bench/step_profile.py --batches 16,64
+    --key-layout`, both layouts alternating):
+    - an Intel Xeon with AMX (rows there: keys widened into a float32 copy, then FMAs):
+      the decode kernel alone (64 sequences of 216-295 tokens, 30 layers' caches, blocks
+      scattered) 0.87-0.89x the rows' time over int8 values, 0.88x over bfloat16 ones,
+      0.78-0.81x with the caches hot; batch-64 steps 0.91-0.97x, batch-16 0.92-0.96x;
+    - an AMD EPYC Zen 4 (rows there: `vdpbf16ps` and the transpose tree): batch-64
+      attention 15.6-16.3 against 18.2-18.6 ms, steps 0.95-0.97x; batch-16 attention
+      4.2-4.3 against 4.7-4.9 ms.
+    Every other AVX-512 CPU's rows take one of these two paths, hence pairs there too
+    (unmeasured: the Zen 5, the Intel Xeons without AMX). Where the vector path does not
+    take the shape, its per-key loop took 2-3x the rows' time (16 query heads a KV head,
+    or blocks of 8 keys, on the Xeon with AMX): rows. Asked for explicitly, pairs run at
+    any shape."""
     if requested not in KEY_LAYOUTS:
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {requested!r}")
     why_not = None
@@ -334,8 +339,6 @@ def choose_key_layout(
         return DtypeChoice("pairs", "set explicitly")
     if why_not is not None:
         return DtypeChoice("rows", f"auto: {why_not}")
-    if "amx_bf16" not in cpu_flags:
-        return DtypeChoice("rows", "auto: pairs are measured faster on CPUs with AMX only")
     if block_size % 16 or group > 8 or "avx512f" not in cpu_flags:
         return DtypeChoice(
             "rows",
@@ -343,7 +346,9 @@ def choose_key_layout(
             f"multiple of 16 keys and at most 8 query heads a KV head (here {group} over "
             f"blocks of {block_size})",
         )
-    return DtypeChoice("pairs", "auto: bfloat16 keys read in place on a CPU with AMX")
+    return DtypeChoice(
+        "pairs", "auto: bfloat16 keys read in place, scored 16 keys a vector by AVX-512"
+    )
 
 
 PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16", "native", "flash")
