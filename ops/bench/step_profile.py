@@ -149,6 +149,10 @@ def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[
     if stack is not None:  # steps it takes call the kernels straight from its own methods
         wrap(stack, "_linear", "kv.linear")
         wrap(stack, "decode", "kv.attention")
+        # its loop in C times nothing: the split's steps take its Python loop (the same
+        # kernels, ~270 ctypes calls more a step of 30 layers); the step time is untimed
+        saved.append((stack, "c_stack", stack.c_stack, True))
+        stack.c_stack = None
     wrap(engine.runner.model, "forward", "kv.forward")
     wrap(engine.runner.model, "compute_logits", "kv.linear")
     wrap(engine.runner, "sampler", "kv.sampling")
@@ -574,24 +578,38 @@ def drop_rows_kernel(engine: LLMEngine) -> None:
 
 def compare_layer_stack(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20) -> str:
     """Decode steps with the decoder's layers as one run of C calls (worker.model.
-    layer_stack) and layer by layer through the C layer ops, alternating step by step."""
+    layer_stack), its loop in C where it has one, and layer by layer through the C layer
+    ops, alternating step by step; and the stack's Python loop beside its C loop."""
     runner = engine.runner
     stack = runner.layer_stack
     if stack is None:
         return "(no layer stack here: it needs the C layer ops)"
+    c_stack = stack.c_stack
 
-    def use(on: bool) -> Callable[[], None]:
-        return lambda: setattr(runner, "layer_stack", stack if on else None)
+    def use(on: bool, c_loop: bool = True) -> Callable[[], None]:
+        def setup() -> None:
+            runner.layer_stack = stack if on else None
+            stack.c_stack = c_stack if c_loop else None
 
-    lines = ["| batch | step, stack (ms) | step, layer by layer (ms) | stack / layer by layer |"]
-    lines.append("|---:|---:|---:|---:|")
+        return setup
+
+    variants = {"stack": use(True), "layers": use(False)}
+    head = "| batch | step, stack (ms) | step, layer by layer (ms) | stack / layer by layer |"
+    if c_stack is not None:
+        variants["python loop"] = use(True, c_loop=False)
+        head += " step, the stack's loop in Python (ms) | C loop / Python loop |"
+    lines = [head, "|---:" * head.count(" | ") + "|---:|"]
     try:
         for batch in batches:
-            med = _alternate(engine, batch, {"stack": use(True), "layers": use(False)}, rounds)
+            med = _alternate(engine, batch, variants, rounds)
             ratio = med["stack"] / med["layers"]
-            lines.append(f"| {batch} | {med['stack']:.1f} | {med['layers']:.1f} | {ratio:.2f}x |")
+            row = f"| {batch} | {med['stack']:.1f} | {med['layers']:.1f} | {ratio:.2f}x |"
+            if c_stack is not None:
+                py = med["python loop"]
+                row += f" {py:.1f} | {med['stack'] / py:.3f}x |"
+            lines.append(row)
     finally:
-        runner.layer_stack = stack
+        runner.layer_stack, stack.c_stack = stack, c_stack
     return f"Decode steps, medians of {rounds} each:\n\n" + "\n".join(lines)
 
 

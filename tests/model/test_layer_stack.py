@@ -43,15 +43,23 @@ def _runner(tiny_model_dir, variant: str, dtype: str, linear: str, **kw: str) ->
 
 def _both(runner: ModelRunner, steps: list[ScheduledRequest]) -> tuple[dict, dict]:
     """all_logits of one step through the stack, then through the per-op path (the same
-    K/V written again to the same slots)."""
+    K/V written again to the same slots). Where the stack loops over its layers in C, the
+    step through its Python loop too, which must give the same bits."""
     stack = runner.layer_stack
+    assert stack is not None
     assert runner._prepare(steps).meta.layer_stack is stack
     with_stack = runner.all_logits(steps)
+    c_stack = stack.c_stack
     runner.layer_stack = None
     try:
         per_op = runner.all_logits(steps)
+        runner.layer_stack, stack.c_stack = stack, None
+        if c_stack is not None:
+            python_loop = runner.all_logits(steps)
+            for key, logits in with_stack.items():
+                assert torch.equal(logits, python_loop[key]), f"C loop and Python loop: {key}"
     finally:
-        runner.layer_stack = stack
+        runner.layer_stack, stack.c_stack = stack, c_stack
     return with_stack, per_op
 
 
@@ -121,6 +129,9 @@ def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
     assert "one run of C calls" in runner.info.attention
     if kinds == {"torch"} and dtype == "bfloat16":
         _drop_rows_weights(runner)
+    # the layers looped over in C wherever no linear layer goes through torch
+    assert runner.layer_stack is not None
+    assert (runner.layer_stack.c_stack is None) == ("torch" in _kinds(runner))
     if kinds is not None:
         assert _kinds(runner) == kinds
     elif runner.step_ops is not None and runner.step_ops.matmul_rows_built:

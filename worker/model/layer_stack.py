@@ -28,6 +28,9 @@ not take (Qwen2's q, k and v projections).
 
 The kernels, their order and their inputs are the per-op path's, so the results are the
 same bit for bit (tests/model/test_layer_stack.py); only the Python between them goes.
+Where every linear layer is a C kernel's (the row kernel or the int16 products: no torch
+matmul), the loop over the layers itself runs in C (kernels/layer_stack.c): one ctypes
+call a step rather than nine a layer.
 
 Buffers (float32 or bfloat16 rows of the step's activations; R = MAX_ROWS):
   h [R, C]   normed rows, the projections' input       qkv [R, (H + 2 KVH) D]
@@ -105,6 +108,45 @@ class _Weights:
     linears: tuple[_LinearCall, ...]  # qkv, o, gate and up, down
     k_cache: int
     v_cache: int
+
+
+class _CLayer(ctypes.Structure):
+    """kernels/layer_stack.c's kvflow_stack_layer: one layer's weights and caches."""
+
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("kind", ctypes.c_int * 4),
+        ("w", ctypes.c_void_p * 4),
+        ("ws", ctypes.c_void_p * 4),
+        ("bias", ctypes.c_void_p * 4),
+    ]
+
+
+class _CStack(ctypes.Structure):
+    """kernels/layer_stack.c's kvflow_stack: the layers, the decode entry, the shapes, the
+    buffers; failed_layer and failed_op written where a kernel refuses."""
+
+    _fields_ = [
+        ("layers", ctypes.c_void_p),
+        ("decode", ctypes.c_void_p),
+        *((name, ctypes.c_int) for name in ("L", "C", "H", "KVH", "D", "inter", "BS")),
+        *((name, ctypes.c_int) for name in ("act_bf16", "cache_bf16", "k_i8", "v_i8", "k_pairs")),
+        *((name, ctypes.c_void_p) for name in ("h", "qkv", "o", "a", "gu", "act", "m", "q")),
+        ("scratch", ctypes.c_void_p),
+        ("xq_bytes", ctypes.c_size_t),
+        ("failed_layer", ctypes.c_int),
+        ("failed_op", ctypes.c_int),
+    ]
+
+
+# layer_stack.c's kinds of linear layer, and the names of the ops that can refuse
+_C_KINDS = {"rows": 0, "int16": 1}
+_C_OPS = ("qkv projection", "output projection", "gate and up projection", "down projection")
 
 
 # (attribute table, key, the object found there when the stack was built)
@@ -221,6 +263,28 @@ class LayerStack:
         self._last_m_torch = bool(self.layers) and self.layers[-1].linears[3].kind == "torch"
         # the buffers' addresses, for the calls (the buffers never move)
         self._ptr = {k: v.data_ptr() for k, v in self.buffers.items()}
+        # the loop in C where no layer goes through torch (None: the Python loop below)
+        self.c_stack = None if self.torch_linears else self._c_stack()
+
+    def _c_stack(self) -> _CStack:
+        """The stack as layer_stack.c reads it (its layer array kept alive here)."""
+        self._c_layers = (_CLayer * len(self.layers))()
+        for c, w in zip(self._c_layers, self.layers, strict=True):
+            c.norm1, c.norm2, c.eps, c.scale = w.norm1, w.norm2, w.eps, w.scale
+            c.k_cache, c.v_cache = w.k_cache, w.v_cache
+            for i, call in enumerate(w.linears):
+                c.kind[i] = _C_KINDS[call.kind]
+                c.w[i], c.ws[i], c.bias[i] = call.ptrs
+        b = self._ptr
+        cache_bf16, k_i8, v_i8 = self.store_flags
+        return _CStack(
+            ctypes.addressof(self._c_layers),
+            ctypes.cast(self.decode, ctypes.c_void_p).value,  # type: ignore[arg-type]
+            len(self.layers), self.C, self.H, self.KVH, self.D, self.inter, self.block_size,
+            self.act_bf16, cache_bf16, k_i8, v_i8, self.k_pairs,
+            b["h"], b["qkv"], b["o"], b["a"], b["gu"], b["act"], b["m"], b["q"],
+            self.scratch.data_ptr(), self._xq_bytes, -1, -1,
+        )  # fmt: skip
 
     @staticmethod
     def fits(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str | None:
@@ -307,6 +371,23 @@ class LayerStack:
         x_p, cos_p, sin_p = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
         slots_p, tables_p, lens_p = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
         max_blocks, window = tables.shape[1], d.window
+        if self.c_stack is not None:
+            c = self.c_stack
+            status = lib.kvflow_layer_stack(
+                ctypes.byref(c), x_p, cos_p, sin_p, slots_p, tables_p, lens_p,
+                T, max_blocks, window,
+            )  # fmt: skip
+            if status:
+                raise RuntimeError(
+                    f"layer {c.failed_layer}: "
+                    + (
+                        f"paged decode attention failed ({status})"
+                        if c.failed_op == len(_C_OPS)
+                        else f"the {_C_OPS[c.failed_op]}'s kernel refused {T} rows ({status})"
+                    )
+                )
+            x += self.buffers["m"][:T]
+            return x
         qkv_cols = (H + 2 * KVH) * D
         pending = 0  # the MLP output not yet added to x (the next norm adds it), by address
         held: dict[str, torch.Tensor] = {}  # torch's outputs, alive while the C calls read them
