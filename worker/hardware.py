@@ -316,7 +316,8 @@ def choose_key_layout(
       attention 15.6-16.3 against 18.2-18.6 ms, steps 0.95-0.97x; batch-16 attention
       4.2-4.3 against 4.7-4.9 ms.
     Every other AVX-512 CPU's rows take one of these two paths, hence pairs there too
-    (unmeasured: the Zen 5, the Intel Xeons without AMX). Where the vector path does not
+    where its prompts are not attended by "flash" (the Zen 5, unmeasured; the Intel Xeons
+    without AMX take "flash", so rows). Where the vector path does not
     take the shape, its per-key loop took 2-3x the rows' time (16 query heads a KV head,
     or blocks of 8 keys, on the Xeon with AMX): rows. Asked for explicitly, pairs run at
     any shape."""

@@ -4,6 +4,7 @@ row the C kernels attend in place, and steps aside where the layers' weights cha
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import pytest
@@ -48,8 +49,15 @@ def _both(runner: ModelRunner, steps: list[ScheduledRequest]) -> tuple[dict, dic
     stack = runner.layer_stack
     assert stack is not None
     assert runner._prepare(steps).meta.layer_stack is stack
-    with_stack = runner.all_logits(steps)
+    lib = stack.lib
+    stack.lib = counter = _Counting(lib)
+    try:
+        with_stack = runner.all_logits(steps)
+    finally:
+        stack.lib = lib
     c_stack = stack.c_stack
+    # the C loop is one call a step where there is one; else none of it
+    assert counter.calls.get("kvflow_layer_stack", 0) == (c_stack is not None)
     runner.layer_stack = None
     try:
         per_op = runner.all_logits(steps)
@@ -61,6 +69,22 @@ def _both(runner: ModelRunner, steps: list[ScheduledRequest]) -> tuple[dict, dic
     finally:
         runner.layer_stack, stack.c_stack = stack, c_stack
     return with_stack, per_op
+
+
+class _Counting:
+    """A library's functions, each call counted by name."""
+
+    def __init__(self, lib: object) -> None:
+        self.lib, self.calls = lib, {}
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self.lib, name)
+
+        def call(*args: object) -> object:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+
+        return call
 
 
 def _int16_built() -> bool:
@@ -218,3 +242,32 @@ def test_the_stack_steps_aside_where_a_layers_weights_changed(
     meta = runner._prepare(step).meta
     with pytest.raises(ValueError, match="does not take"):
         stack.forward(x, cos, cos, list(runner.kv_caches), meta)
+
+
+def test_a_kernel_refusing_inside_the_c_loop_is_named_with_its_layer(tiny_model_dir) -> None:
+    """The loop in C stops at the first kernel that refuses and says which, in which layer
+    (here the decode entry swapped for one that refuses in the second layer)."""
+    runner = _stacked(tiny_model_dir, prefill_attention="native")
+    stack = runner.layer_stack
+    assert stack is not None
+    if stack.c_stack is None:  # linear layers through torch here: no loop in C
+        assert "torch" in _kinds(runner)
+        return
+    entry = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7,
+                             ctypes.c_float, ctypes.c_int)  # fmt: skip
+    real = entry(stack.c_stack.decode)
+    calls: list[int] = []
+
+    def refuse_second(*args: object) -> int:
+        calls.append(1)
+        return 7 if len(calls) == 2 else int(real(*args))
+
+    hook = entry(refuse_second)
+    saved = stack.c_stack.decode
+    stack.c_stack.decode = ctypes.cast(hook, ctypes.c_void_p).value
+    try:
+        with pytest.raises(RuntimeError, match=r"layer 1: paged decode attention failed \(7\)"):
+            runner.all_logits([_seq(0, list(range(100, 140)), 0, 40)])
+    finally:
+        stack.c_stack.decode = saved
+    assert len(calls) == 2

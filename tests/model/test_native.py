@@ -549,10 +549,9 @@ def test_keys_in_pairs_take_the_same_blocks_and_say_why(tiny_model_dir) -> None:
         assert kp.shape == (NB, KVH, D // 2, BS, 2) and kp.dtype == torch.bfloat16
         assert vp.shape == vr.shape
     auto = runner(kv_cache_dtype="bfloat16-int8")
-    # pairs where AVX-512 scores them a vector at a time, unless the C prompt kernel
-    # (which reads key rows) attends prompts
-    flash = auto.prefill_kernels is not None
-    want = "pairs" if "avx512f" in read_cpu_flags() and not flash else "rows"
+    # pairs where AVX-512 scores them a vector at a time (int8 values never take the C
+    # prompt kernel, which would read key rows)
+    want = "pairs" if "avx512f" in read_cpu_flags() else "rows"
     assert auto.info.key_layout.startswith(f"{want} (auto")
     with pytest.raises(ValueError, match="keys in pairs are bfloat16"):
         runner(kv_cache_dtype="int8", key_layout="pairs")

@@ -149,6 +149,14 @@ _C_KINDS = {"rows": 0, "int16": 1}
 _C_OPS = ("qkv projection", "output projection", "gate and up projection", "down projection")
 
 
+def _refusal(op: int, rows: int, status: int) -> str:
+    """What layer_stack.c's failed_op and status say: a linear layer's kernel (ops 0-3),
+    or attention (4)."""
+    if op == len(_C_OPS):
+        return f"paged decode attention failed ({status})"
+    return f"the {_C_OPS[op]}'s kernel refused {rows} rows ({status})"
+
+
 # (attribute table, key, the object found there when the stack was built)
 Watched = tuple[dict[str, object], str, object]
 
@@ -263,13 +271,25 @@ class LayerStack:
         self._last_m_torch = bool(self.layers) and self.layers[-1].linears[3].kind == "torch"
         # the buffers' addresses, for the calls (the buffers never move)
         self._ptr = {k: v.data_ptr() for k, v in self.buffers.items()}
-        # the loop in C where no layer goes through torch (None: the Python loop below)
-        self.c_stack = None if self.torch_linears else self._c_stack()
+        # the loop in C where no layer goes through torch (None: the Python loop below);
+        # the C struct reads the layers' array by address, so it is held here too
+        self._c_layers: ctypes.Array[_CLayer] | None = None
+        self.c_stack: _CStack | None = None
+        if not self.torch_linears:
+            self._c_layers, self.c_stack = self._c_stack()
 
-    def _c_stack(self) -> _CStack:
-        """The stack as layer_stack.c reads it (its layer array kept alive here)."""
-        self._c_layers = (_CLayer * len(self.layers))()
-        for c, w in zip(self._c_layers, self.layers, strict=True):
+    def _c_stack(self) -> tuple[ctypes.Array[_CLayer], _CStack]:
+        """The stack as layer_stack.c reads it: the layers' array and the struct that
+        points to it. The mirrors' sizes are checked against the C structs'."""
+        sizes = (ctypes.c_size_t * 2)()
+        self.lib.kvflow_layer_stack_sizes(sizes)
+        if tuple(sizes) != (ctypes.sizeof(_CLayer), ctypes.sizeof(_CStack)):
+            raise RuntimeError(
+                f"layer_stack.c's structs are {tuple(sizes)} bytes, their mirrors here "
+                f"{(ctypes.sizeof(_CLayer), ctypes.sizeof(_CStack))}"
+            )
+        layers = (_CLayer * len(self.layers))()
+        for c, w in zip(layers, self.layers, strict=True):
             c.norm1, c.norm2, c.eps, c.scale = w.norm1, w.norm2, w.eps, w.scale
             c.k_cache, c.v_cache = w.k_cache, w.v_cache
             for i, call in enumerate(w.linears):
@@ -277,8 +297,8 @@ class LayerStack:
                 c.w[i], c.ws[i], c.bias[i] = call.ptrs
         b = self._ptr
         cache_bf16, k_i8, v_i8 = self.store_flags
-        return _CStack(
-            ctypes.addressof(self._c_layers),
+        return layers, _CStack(
+            ctypes.addressof(layers),
             ctypes.cast(self.decode, ctypes.c_void_p).value,  # type: ignore[arg-type]
             len(self.layers), self.C, self.H, self.KVH, self.D, self.inter, self.block_size,
             self.act_bf16, cache_bf16, k_i8, v_i8, self.k_pairs,
@@ -378,14 +398,7 @@ class LayerStack:
                 T, max_blocks, window,
             )  # fmt: skip
             if status:
-                raise RuntimeError(
-                    f"layer {c.failed_layer}: "
-                    + (
-                        f"paged decode attention failed ({status})"
-                        if c.failed_op == len(_C_OPS)
-                        else f"the {_C_OPS[c.failed_op]}'s kernel refused {T} rows ({status})"
-                    )
-                )
+                raise RuntimeError(f"layer {c.failed_layer}: {_refusal(c.failed_op, T, status)}")
             x += self.buffers["m"][:T]
             return x
         qkv_cols = (H + 2 * KVH) * D

@@ -782,6 +782,8 @@ def load_native(
         i16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
     lib.kvflow_layer_stack.restype = ctypes.c_int
     lib.kvflow_layer_stack.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
+    lib.kvflow_layer_stack_sizes.restype = None
+    lib.kvflow_layer_stack_sizes.argtypes = [ctypes.c_void_p]
     lib.kvflow_linear_i16_lanes.restype = ctypes.c_int
     lib.kvflow_linear_i16_lanes.argtypes = []
     lib.kvflow_i8_key_group.restype = ctypes.c_int

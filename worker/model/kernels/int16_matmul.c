@@ -63,6 +63,7 @@
 #include <string.h>
 
 #include "int16.h"
+#include "entries.h"
 #include "share.h"
 #include "silu.h"
 

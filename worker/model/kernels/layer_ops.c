@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "entries.h"
 #include "silu.h"
 
 /* Fewer tokens than this run on the calling thread. torch's pool is still awake between

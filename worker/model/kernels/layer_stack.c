@@ -15,26 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* the kernels the loop calls (layer_ops.c, paged_decode.c, small_matmul.c,
- * int16_matmul.c) */
-void kvflow_rms_norm(float *x, const void *delta, const float *w, void *out, int T, int R, int C,
-                     float eps, int delta_bf16, int out_bf16);
-void kvflow_rope_store(const void *qkv, float *out, const float *cos, const float *sin,
-                       const int64_t *slots, void *k_cache, void *v_cache, int T, int H, int KVH,
-                       int D, int BS, int in_bf16, int cache_bf16, int k_i8, int v_i8,
-                       int kv_out, int k_pairs);
-void kvflow_silu_mul(const void *gate_up, void *out, int T, int R, int I, int in_bf16,
-                     int out_bf16);
-int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
-                            int N, int K);
-int kvflow_linear_i16(const float *x, int16_t *xq, float *xs, const int16_t *wq,
-                      const float *ws, const float *bias, float *out, int M, int N, int K);
-
-/* one of paged_decode.c's entry points, chosen by the caches' dtypes and layout */
-typedef int (*decode_fn)(const float *q, const void *k_cache, const void *v_cache,
-                         const int32_t *block_tables, const int32_t *context_lens, void *out,
-                         int out_bf16, int n, int H, int KVH, int D, int BS, int max_blocks,
-                         float scale, int window);
+#include "entries.h"
 
 enum { LINEAR_ROWS = 0, LINEAR_I16 = 1 };
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3, ATTENTION = 4 }; /* ops that can fail */
@@ -54,7 +35,7 @@ typedef struct {
  * where a kernel refused. */
 typedef struct {
     const kvflow_stack_layer *layers;
-    decode_fn decode;
+    decode_entry *decode;
     int L, C, H, KVH, D, inter, BS;
     int act_bf16, cache_bf16, k_i8, v_i8, k_pairs;
     void *h, *qkv, *o, *a, *gu, *act, *m;
@@ -63,6 +44,12 @@ typedef struct {
     size_t xq_bytes;
     int failed_layer, failed_op;
 } kvflow_stack;
+
+static int failed(kvflow_stack *s, int layer, int op, int status) {
+    s->failed_layer = layer;
+    s->failed_op = op;
+    return status;
+}
 
 static int linear(const kvflow_stack *s, const kvflow_stack_layer *l, int i, const void *x,
                   void *out, int T, int N, int K) {
@@ -82,26 +69,29 @@ int kvflow_layer_stack(kvflow_stack *s, float *x, const float *cos, const float 
     const void *pending = NULL; /* the MLP output the next norm adds to x */
     for (int i = 0; i < s->L; i++) {
         const kvflow_stack_layer *l = &s->layers[i];
-        int status = 0, op = 0;
+        int status;
         kvflow_rms_norm(x, pending, l->norm1, s->h, T, T, C, l->eps, pending ? act : 0, act);
-        if ((status = linear(s, l, op = QKV, s->h, s->qkv, T, (H + 2 * KVH) * D, C))) goto fail;
+        if ((status = linear(s, l, QKV, s->h, s->qkv, T, (H + 2 * KVH) * D, C)))
+            return failed(s, i, QKV, status);
         kvflow_rope_store(s->qkv, s->q, cos, sin, slots, l->k_cache, l->v_cache, T, H, KVH, D,
                           s->BS, act, s->cache_bf16, s->k_i8, s->v_i8, 0, s->k_pairs);
-        op = ATTENTION;
         if ((status = s->decode(s->q, l->k_cache, l->v_cache, tables, lens, s->o, act, T, H, KVH,
                                 D, s->BS, max_blocks, l->scale, window)))
-            goto fail;
-        if ((status = linear(s, l, op = O, s->o, s->a, T, C, H * D))) goto fail;
+            return failed(s, i, ATTENTION, status);
+        if ((status = linear(s, l, O, s->o, s->a, T, C, H * D))) return failed(s, i, O, status);
         kvflow_rms_norm(x, s->a, l->norm2, s->h, T, T, C, l->eps, act, act);
-        if ((status = linear(s, l, op = GATE_UP, s->h, s->gu, T, 2 * s->inter, C))) goto fail;
+        if ((status = linear(s, l, GATE_UP, s->h, s->gu, T, 2 * s->inter, C)))
+            return failed(s, i, GATE_UP, status);
         kvflow_silu_mul(s->gu, s->act, T, T, s->inter, act, act);
-        if ((status = linear(s, l, op = DOWN, s->act, s->m, T, C, s->inter))) goto fail;
+        if ((status = linear(s, l, DOWN, s->act, s->m, T, C, s->inter)))
+            return failed(s, i, DOWN, status);
         pending = s->m;
-        continue;
-    fail:
-        s->failed_layer = i;
-        s->failed_op = op;
-        return status;
     }
     return 0;
+}
+
+/* The two structs' sizes, which layer_stack.py's ctypes mirrors must match. */
+void kvflow_layer_stack_sizes(size_t *out) {
+    out[0] = sizeof(kvflow_stack_layer);
+    out[1] = sizeof(kvflow_stack);
 }

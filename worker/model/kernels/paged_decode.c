@@ -59,6 +59,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "entries.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -523,7 +524,8 @@ static inline int first_key(int len, int window) {
  * sequences of 216-295 tokens, 30 layers' caches, blocks scattered, both builds
  * alternating; 0.98x with the caches in L3). A plain read of 2 KB runs at random
  * places, the kernel's pattern, ran at 24 GB/s asked for 2 runs ahead, 30 at 4 and 31
- * read in order (same CPU, 2 threads). */
+ * read in order (same CPU, 2 threads). Unmeasured with 4 on the Zen 5 (whose rows were
+ * no faster at 4 before pairs) and the Intel Xeons. */
 #if defined(__AVX512F__)
 #define AHEAD 4
 #else

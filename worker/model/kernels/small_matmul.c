@@ -53,6 +53,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "entries.h"
 #include "share.h"
 
 #if defined(__AVX512BF16__)
