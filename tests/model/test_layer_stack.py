@@ -151,6 +151,10 @@ def test_the_stack_gives_the_per_op_paths_logits_bit_for_bit(
     runner = _runner(tiny_model_dir, variant, dtype, linear, **kw)
     assert runner.layer_stack is not None
     assert "one run of C calls" in runner.info.attention
+    # the start-up facts say whether the loop over the layers runs in C
+    assert ("loop over the layers in C" in runner.info.attention) == (
+        runner.layer_stack.c_stack is not None
+    )
     if kinds == {"torch"} and dtype == "bfloat16":
         _drop_rows_weights(runner)
     # the layers looped over in C wherever no linear layer goes through torch

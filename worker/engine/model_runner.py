@@ -292,7 +292,12 @@ class ModelRunner:
             + ("; norms, rotary and SiLU as C layer ops" if self.step_ops else "")
             + (
                 f"; steps of <= {STACK_ROWS} rows attended in place run the layers as one "
-                "run of C calls" + (" and torch matmuls" if self.layer_stack.torch_linears else "")
+                "run of C calls"
+                + (
+                    " and torch matmuls"
+                    if self.layer_stack.torch_linears
+                    else ", the loop over the layers in C too"
+                )
                 if self.layer_stack is not None
                 else f"; layers one by one ({no_stack})"
                 if step_ops is not None
