@@ -3,9 +3,12 @@
     python ops/bench/kernel_ab.py --base HEAD~1                # this tree against HEAD~1
     python ops/bench/kernel_ab.py --base 5853923 --head b53ad7b --ops int16 --rows 8,16,32
     python ops/bench/kernel_ab.py --base HEAD~1 --march x86-64-v3   # the AVX2 build
+    python ops/bench/kernel_ab.py --base /tmp/edited --ops decode   # an edited copy
 
-Builds worker/model/kernels of `--base` (a git revision) and of `--head` (a revision, or
-by default this working tree), loads both libraries, and times each kernel a step of the
+Builds worker/model/kernels of `--base` (a git revision, or a folder of kernel sources:
+an edited copy of this tree's, say `cp -r worker/model/kernels /tmp/edited` with one
+constant changed) and of `--head` (likewise, or by default this working tree), loads both
+libraries, and times each kernel a step of the
 default model calls, on random data of the model's shapes and in its amounts (30 layers'
 weights and caches, so that they stream from memory as in a step, not from cache):
 
@@ -14,7 +17,8 @@ weights and caches, so that they stream from memory as in a step, not from cache
 - rows: the same on bfloat16 weights through the row kernel (CPUs with avx512_bf16),
   up to 128 rows;
 - decode: decode attention over a bfloat16 cache, contexts of 200-300 tokens, 30 layers
-  a pass, the rows being the sequences;
+  a pass, the rows being the sequences; keys as rows or in pairs (`--key-layout`; by
+  default as `auto` would take them on this CPU: pairs with AVX-512);
 - prefill: prompt attention of 8 fresh prompts from a bfloat16 cache, 30 layers a pass,
   the rows being each prompt's tokens.
 
@@ -46,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from worker.engine.model_runner import cache_tensor
-from worker.hardware import keep_freed_memory
+from worker.hardware import keep_freed_memory, read_cpu_flags
 from worker.model.native import (
     KERNELS,
     NativeKernels,
@@ -80,7 +84,12 @@ class Case:
 
 
 def kernels_at(rev: str, into: Path) -> Path:
-    """worker/model/kernels as `rev` holds it, extracted under `into`."""
+    """worker/model/kernels as `rev` holds it, extracted under `into`; a folder of kernel
+    sources as it is."""
+    if Path(rev).is_dir():
+        if not (Path(rev) / "paged_decode.c").exists():
+            sys.exit(f"{rev}: a folder, but not of the kernels' sources (no paged_decode.c)")
+        return Path(rev)
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "worker/model/kernels"],
         capture_output=True,
@@ -138,31 +147,33 @@ def matmul_cases(op: str, ops: NativeKernels, rows: list[int], layers: int) -> l
 
 
 def paged_caches(
-    seqs: int, keys: int, layers: int, g: torch.Generator
+    seqs: int, keys: int, layers: int, g: torch.Generator, key_pairs: bool = False
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """`layers` layers' bfloat16 K and V caches [blocks, KVH, BS, D] for `seqs` sequences of
-    up to `keys` keys, and their block tables [seqs, blocks a sequence] int32: the blocks
-    scattered, as a long-running cache holds them, allocated as the engine allocates its
-    cache (`cache_tensor`: 2 MB pages where Linux gives them)."""
+    """`layers` layers' bfloat16 K and V caches [blocks, KVH, BS, D] (keys in pairs: [blocks,
+    KVH, D / 2, BS, 2]) for `seqs` sequences of up to `keys` keys, and their block tables
+    [seqs, blocks a sequence] int32: the blocks scattered, as a long-running cache holds
+    them, allocated as the engine allocates its cache (`cache_tensor`: 2 MB pages where
+    Linux gives them)."""
     per_seq = -(-keys // BLOCK)
     blocks = seqs * per_seq
-    shape = (blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    rows = (blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    pairs = (blocks, KV_HEADS, HEAD_DIM // 2, BLOCK, 2)
 
-    def cache() -> torch.Tensor:
+    def cache(shape: tuple[int, ...]) -> torch.Tensor:
         t = cache_tensor(shape, torch.bfloat16, torch.device("cpu"))
         return t.copy_(torch.randn(shape, generator=g))
 
-    caches = [(cache(), cache()) for _ in range(layers)]
+    caches = [(cache(pairs if key_pairs else rows), cache(rows)) for _ in range(layers)]
     tables = torch.randperm(blocks, generator=g).to(torch.int32).view(seqs, per_seq)
     return caches, tables
 
 
-def decode_cases(rows: list[int], layers: int) -> list[Case]:
+def decode_cases(rows: list[int], layers: int, key_pairs: bool) -> list[Case]:
     g = torch.Generator().manual_seed(1)
     cases = []
     for n in rows:
         lens = torch.randint(CONTEXT[0], CONTEXT[1] + 1, (n,), generator=g, dtype=torch.int32)
-        caches, tables = paged_caches(n, CONTEXT[1], layers, g)
+        caches, tables = paged_caches(n, CONTEXT[1], layers, g, key_pairs)
         q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
 
         def run(
@@ -221,8 +232,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--base", required=True, help="git revision of the kernels before")
-    ap.add_argument("--head", default=None, help="git revision after (default: this tree)")
+    ap.add_argument("--base", required=True, help="git revision (or folder) of the kernels before")
+    ap.add_argument(
+        "--head", default=None, help="git revision (or folder) after (default: this tree)"
+    )
+    ap.add_argument(
+        "--key-layout",
+        choices=("auto", "rows", "pairs"),
+        default="auto",
+        help="decode's keys (auto: pairs where the CPU has AVX-512, as the engine's auto)",
+    )
     ap.add_argument("--ops", default=None, help="int16,rows,decode,prefill (default: those built)")
     ap.add_argument("--rows", default=None, help="rows (sequences for decode) for every op")
     ap.add_argument("--march", default="native", help="the kernels' -march (default: this CPU)")
@@ -252,11 +271,14 @@ def main() -> None:
     for op in ops:
         if op not in built:
             sys.exit(f"{op}: not in this CPU's {args.march} build (built here: {', '.join(built)})")
+    key_pairs = args.key_layout == "pairs" or (
+        args.key_layout == "auto" and "avx512f" in read_cpu_flags()
+    )
     cases: list[Case] = []
     for op in ops:
         rows = [int(r) for r in (args.rows or DEFAULT_ROWS[op]).split(",")]
         if op == "decode":
-            cases += decode_cases(rows, args.layers)
+            cases += decode_cases(rows, args.layers, key_pairs)
         elif op == "prefill":
             cases += prefill_cases(rows, args.layers)
         else:
@@ -293,7 +315,7 @@ def main() -> None:
     lines = [
         f"C kernels of {head_name} against {args.base} (-march={args.march}), "
         f"{args.threads} threads, {args.layers} layers a pass, medians of {args.rounds} "
-        "alternating rounds",
+        f"alternating rounds; decode's keys {'in pairs' if key_pairs else 'as rows'}",
         "",
         "| op | rows | base ms | head ms | head ÷ base | head GOP/s | max abs diff |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -308,7 +330,13 @@ def main() -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_ab.md").write_text(text + "\n")
-    record = {"base": args.base, "head": head_name, "march": args.march, "results": results}
+    record = {
+        "base": args.base,
+        "head": head_name,
+        "march": args.march,
+        "key_layout": "pairs" if key_pairs else "rows",
+        "results": results,
+    }
     (args.out / "kernel_ab.json").write_text(json.dumps(record, indent=1))
     plot(results, f"{head_name} vs {args.base}", args.out / "kernel_ab.png")
     print(f"wrote {args.out}/kernel_ab.md, .json, .png")

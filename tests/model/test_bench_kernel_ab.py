@@ -4,9 +4,12 @@ compares their outputs and times with this tree's."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.bench_modules import load_bench
 from worker.model.native import KERNELS, load_native
@@ -71,3 +74,35 @@ def test_a_revision_that_is_not_there_is_named(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "no kernels at revision 'no-such-rev-kvflow'" in proc.stderr
     assert not (tmp_path / "ab").exists()
+
+
+@pytest.mark.parametrize("layout", ["rows", "pairs"])
+def test_a_folder_of_sources_is_a_side_and_decode_reads_either_key_layout(
+    tmp_path: Path, layout: str
+) -> None:
+    """An edited copy of the kernels' folder is a side of its own (here an exact copy: the
+    same outputs), and decode's keys are read as the layout asked for."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(KERNELS, copy)
+    out = tmp_path / "ab"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ops/bench/kernel_ab.py"), "--base", str(copy)]
+        + ["--ops", "decode", "--rows", "3", "--layers", "1", "--rounds", "1"]
+        + ["--key-layout", layout, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((out / "kernel_ab.json").read_text())
+    assert record["base"] == str(copy) and record["key_layout"] == layout
+    [row] = record["results"]
+    assert row["op"] == "decode" and row["max_abs_diff"] == 0
+    # a folder that holds no kernels is named as such
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ops/bench/kernel_ab.py"), "--base", str(tmp_path / "ab")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "not of the kernels' sources" in proc.stderr

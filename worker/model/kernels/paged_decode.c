@@ -519,13 +519,13 @@ static inline int first_key(int len, int window) {
  * hardware prefetcher does not follow, so the kernel asks for the run this many blocks
  * ahead while it computes the current one. 1 to 3 measured alike, 4 no better, where
  * the scores were widened rows or vdpbf16ps (AMD EPYC Zen 3 and Zen 5). With keys in
- * pairs (AVX-512), whose score pass takes less time a run, 4 took 0.95x the kernel's
- * time over rows and pairs alike (6 and 8 0.96x; AMD EPYC Zen 4, 2 threads, 64
+ * pairs (AVX-512), whose score pass takes less time a run, 4 took 0.94-0.99x the
+ * kernel's time over rows and pairs alike (6 and 8 0.96x; AMD EPYC Zen 4, 2 threads, 64
  * sequences of 216-295 tokens, 30 layers' caches, blocks scattered, both builds
- * alternating; 0.98x with the caches in L3). A plain read of 2 KB runs at random
- * places, the kernel's pattern, ran at 24 GB/s asked for 2 runs ahead, 30 at 4 and 31
- * read in order (same CPU, 2 threads). Unmeasured with 4 on the Zen 5 (whose rows were
- * no faster at 4 before pairs) and the Intel Xeons. */
+ * alternating, over two hours; 0.98x with the caches in L3). A plain read of 2 KB runs
+ * at random places, the kernel's pattern, ran at 24 GB/s asked for 2 runs ahead, 30 at
+ * 4 and 31 read in order (same CPU, 2 threads). Unmeasured with 4 on the Zen 5 (whose
+ * rows were no faster at 4 before pairs) and the Intel Xeons. */
 #if defined(__AVX512F__)
 #define AHEAD 4
 #else
