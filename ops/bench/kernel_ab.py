@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from worker.engine.model_runner import cache_tensor
-from worker.hardware import keep_freed_memory, read_cpu_flags
+from worker.hardware import choose_key_layout, keep_freed_memory, read_cpu_flags
 from worker.model.native import (
     KERNELS,
     NativeKernels,
@@ -240,7 +240,7 @@ def main() -> None:
         "--key-layout",
         choices=("auto", "rows", "pairs"),
         default="auto",
-        help="decode's keys (auto: pairs where the CPU has AVX-512, as the engine's auto)",
+        help="decode's keys (auto: as the engine's auto takes them on this CPU)",
     )
     ap.add_argument("--ops", default=None, help="int16,rows,decode,prefill (default: those built)")
     ap.add_argument("--rows", default=None, help="rows (sequences for decode) for every op")
@@ -271,9 +271,12 @@ def main() -> None:
     for op in ops:
         if op not in built:
             sys.exit(f"{op}: not in this CPU's {args.march} build (built here: {', '.join(built)})")
-    key_pairs = args.key_layout == "pairs" or (
-        args.key_layout == "auto" and "avx512f" in read_cpu_flags()
-    )
+    # auto: the engine's own rule, for the default model's shape over a bfloat16 cache
+    layout = choose_key_layout(
+        args.key_layout, "cpu", "bfloat16", True, "native", read_cpu_flags(),
+        HEADS // KV_HEADS, BLOCK,
+    )  # fmt: skip
+    key_pairs = layout.dtype == "pairs"
     cases: list[Case] = []
     for op in ops:
         rows = [int(r) for r in (args.rows or DEFAULT_ROWS[op]).split(",")]

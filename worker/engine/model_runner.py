@@ -36,7 +36,6 @@ from worker.model.attention import (
     decode_mask,
     prefill_mask,
 )
-from worker.model.layer_stack import MAX_ROWS as STACK_ROWS
 from worker.model.layer_stack import LayerStack
 from worker.model.llama import Linear, LlamaForCausalLM
 from worker.model.loader import DTYPE_NAMES, DTYPES, LoadedModel, activation_dtype, dtype_name
@@ -291,13 +290,7 @@ class ModelRunner:
             attention=attention
             + ("; norms, rotary and SiLU as C layer ops" if self.step_ops else "")
             + (
-                f"; steps of <= {STACK_ROWS} rows attended in place run the layers as one "
-                "run of C calls"
-                + (
-                    " and torch matmuls"
-                    if self.layer_stack.torch_linears
-                    else ", the loop over the layers in C too"
-                )
+                f"; {self.layer_stack.describe()}"
                 if self.layer_stack is not None
                 else f"; layers one by one ({no_stack})"
                 if step_ops is not None

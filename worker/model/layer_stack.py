@@ -306,6 +306,14 @@ class LayerStack:
             self.scratch.data_ptr(), self._xq_bytes, -1, -1,
         )  # fmt: skip
 
+    def describe(self) -> str:
+        """The stack for the start-up facts: which steps it takes and how it runs them."""
+        how = " and torch matmuls" if self.torch_linears else ", the loop over the layers in C too"
+        return (
+            f"steps of <= {MAX_ROWS} rows attended in place run the layers as one run of C "
+            f"calls{how}"
+        )
+
     @staticmethod
     def fits(model: LlamaForCausalLM, kernels: NativeKernels | None) -> str | None:
         """Why a stack cannot run this model's layers, or None where it can: every layer
