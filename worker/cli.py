@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from worker.config import EngineConfig, parse_size, parse_weights
+from worker.config import DECODE_GRAPHS, EngineConfig, parse_size, parse_weights
 from worker.hardware import KEY_LAYOUTS, KV_CACHE_DTYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -140,6 +140,15 @@ def engine_options(fn: F) -> F:
             "decode reads bfloat16 keys in place.",
         ),
         click.option(
+            "--decode-graphs",
+            type=click.Choice(list(DECODE_GRAPHS)),
+            default=None,
+            help="CUDA: decode steps replayed as CUDA graphs, one per bucket of batch size "
+            "and context, captured on first use (auto; off: launched op by op; eager: the "
+            "graphs' fixed-shape steps without capture, on any device whose decode "
+            "attention is torch's).",
+        ),
+        click.option(
             "--tune-batch/--no-tune-batch",
             default=None,
             help="Measure decode tok/s by batch size at start-up and run at most the "
@@ -180,6 +189,7 @@ def build_engine_config(kw: dict[str, Any]) -> EngineConfig:
         "prefill_attention": kw.pop("prefill_attention", None),
         "linear": kw.pop("linear", None),
         "tune_batch": kw.pop("tune_batch", None),
+        "decode_graphs": kw.pop("decode_graphs", None),
     }
     try:
         if overrides["client_weights"]:

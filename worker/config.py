@@ -27,6 +27,10 @@ CPU_DTYPES = ("auto", "float32", "bfloat16", "int8")
 CUDA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int16")
+# Decode steps as CUDA graphs (worker.engine.decode_graphs): "auto" on CUDA, "off", or
+# "eager": the graphs' fixed-shape steps run without capture (any device whose decode
+# attention is torch's), to tell a capture's fault from the fixed shapes' own
+DECODE_GRAPHS = ("auto", "off", "eager")
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,10 @@ class EngineConfig:
     # Measure decode tokens/s against batch size at start-up and run at most the smallest
     # batch within 5% of the best rate (worker.engine.tuning); max_num_seqs stays the cap.
     tune_batch: bool = False
+    # CUDA: decode-only steps replayed as CUDA graphs, one per bucket of batch size and
+    # context, captured on first use: a small model's decode step is bound by its ~1,000
+    # kernel launches, not by the GPU (DECODE_GRAPHS)
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -176,6 +184,13 @@ class EngineConfig:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.key_layout not in KEY_LAYOUTS:
             bad(f"key_layout must be one of {KEY_LAYOUTS}, got {self.key_layout!r}")
+        if self.decode_graphs not in DECODE_GRAPHS:
+            bad(f"decode_graphs must be one of {DECODE_GRAPHS}, got {self.decode_graphs!r}")
+        if self.decode_graphs == "eager" and self.device == "cpu" and self.attention != "torch":
+            bad(
+                "decode_graphs 'eager' runs the graphs' torch attention path: on CPU it "
+                "needs attention 'torch'"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
@@ -261,6 +276,7 @@ _ENV_FIELDS: dict[str, Callable[[str], object]] = {
     "prefill_attention": str,
     "linear": str,
     "tune_batch": _bool,
+    "decode_graphs": str,
 }
 
 

@@ -57,3 +57,48 @@ def test_cuda_half_precision_runs_and_mostly_agrees(tiny_model_dir, dtype: str) 
     agree = sum(h[0] == f[0] for h, f in zip(half, full, strict=True))
     assert agree >= len(full) - 1
     assert all(len(h) == 24 for h in half)
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    loaded = load_model(path, dtype="float32", device="cuda")
+    cfg = EngineConfig(
+        model=path, device="cuda", dtype="float32", block_size=16, num_kv_blocks=128, **kw
+    )
+    return LLMEngine(cfg, loaded=loaded)
+
+
+def _tokens(engine: LLMEngine) -> list[list[int]]:
+    # outputs of differing lengths: the batch shrinks through several graph buckets
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (24, 9, 17, 3)
+    ]
+    return [o.token_ids for o in engine.generate(_prompts(), params)]
+
+
+@pytest.mark.parametrize("variant", ["smollm2", "mistral", "qwen3"])
+def test_cuda_decode_graphs_replay_the_eager_steps(tiny_model_dir, variant: str) -> None:
+    path = str(tiny_model_dir(variant))
+    engine = _engine(path)  # decode_graphs "auto": captured on CUDA
+    got = _tokens(engine)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture
+    assert graphs.stats.failed is None, graphs.stats.failed
+    assert graphs.stats.captured >= 2 and graphs.stats.replays > graphs.stats.captured
+    assert got == _tokens(_engine(path, decode_graphs="off"))
+    assert got == _tokens(_engine(path, decode_graphs="eager"))
+
+
+def test_cuda_decode_graphs_fall_back_when_capture_fails(tiny_model_dir, monkeypatch) -> None:
+    path = str(tiny_model_dir("smollm2"))
+    want = _tokens(_engine(path, decode_graphs="off"))
+
+    def refuse(*a, **kw):
+        raise RuntimeError("capture refused by the test")
+
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    engine = _engine(path)
+    assert _tokens(engine) == want
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.stats.replays == 0
+    assert graphs.stats.failed is not None and "capture refused" in graphs.stats.failed
+    assert graphs.stats.eager_steps > 0

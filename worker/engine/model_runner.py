@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from worker.config import CUDA_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, EngineConfig
+from worker.engine.decode_graphs import DecodeGraphs
 from worker.engine.kv_cache import cdiv
 from worker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.hardware import (
@@ -93,6 +94,7 @@ class RuntimeInfo:
     kv_cache_dtype: str = "float32"  # the KV cache's dtype and why (likewise)
     key_layout: str = "rows"  # a block of the keys' cache as rows or pairs, and why
     allocator: str = ""  # what was set of the C library's allocator (likewise)
+    decode_graphs: str = "off"  # decode steps as CUDA graphs, or why not (likewise)
 
 
 @dataclass
@@ -234,10 +236,13 @@ class ModelRunner:
         block_bytes = mcfg.num_layers * self.block_size * mcfg.num_kv_heads * token_bytes
         num_blocks = config.num_kv_blocks or max(1, self._kv_budget(config) // block_bytes)
         self.num_kv_heads = mcfg.num_kv_heads
-        # Head-major blocks (worker.model.attention explains why).
-        blocks = (num_blocks, mcfg.num_kv_heads, self.block_size)
+        graphs, graphs_reason = self._graphs_mode(config)
+        # Head-major blocks (worker.model.attention explains why); decode graphs' padding
+        # rows write into one more, past the pool's (`DecodeGraphs`)
+        cache_blocks = num_blocks + (graphs is not None)
+        blocks = (cache_blocks, mcfg.num_kv_heads, self.block_size)
         k_shape = (
-            (num_blocks, mcfg.num_kv_heads, mcfg.head_dim // 2, self.block_size, 2)
+            (cache_blocks, mcfg.num_kv_heads, mcfg.head_dim // 2, self.block_size, 2)
             if layout.dtype == "pairs"
             else (*blocks, k_row)
         )
@@ -275,6 +280,21 @@ class ModelRunner:
         max_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
+        self.decode_graphs = (
+            DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                block_size=self.block_size,
+                scratch_block=num_blocks,
+                max_batch=config.max_num_seqs,
+                max_model_len=max_len,
+                sliding_window=self.sliding_window,
+                device=self.device,
+                capture=graphs == "capture",
+            )
+            if graphs is not None
+            else None
+        )
         self.info = RuntimeInfo(
             model_name=loaded.name,
             num_blocks=num_blocks,
@@ -304,6 +324,9 @@ class ModelRunner:
             key_layout=f"{layout.dtype} ({layout.reason})",
             allocator=allocator,
             linear=linear,
+            decode_graphs=self.decode_graphs.describe()
+            if self.decode_graphs is not None
+            else f"off ({graphs_reason})",
         )
 
     def _attention_backend(
@@ -332,6 +355,22 @@ class ModelRunner:
             return None, f"torch ({loaded.reason})"
         return loaded.kernels, f"native, in place ({loaded.reason})"
 
+    def _graphs_mode(self, config: EngineConfig) -> tuple[str | None, str]:
+        """Whether decode steps go through `DecodeGraphs`: "capture" (CUDA graphs),
+        "eager" (their fixed shapes, uncaptured) or None; and why."""
+        if config.decode_graphs == "off":
+            return None, "set explicitly"
+        if config.decode_graphs == "eager":
+            if self.native is not None:
+                raise ValueError(
+                    "decode_graphs 'eager' runs the torch attention path, not the C kernel: "
+                    "set attention 'torch'"
+                )
+            return "eager", "set explicitly"
+        if self.device.type != "cuda":
+            return None, f"CUDA graphs are for CUDA, not {self.device.type}"
+        return "capture", "auto: CUDA"
+
     @property
     def cache_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """The keys' cache dtype and the values'."""
@@ -348,22 +387,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        inp = self._prepare(sched.scheduled)
-        if self._threads > 1:
-            want = 1 if inp.input_ids.numel() <= self._small_step_tokens else self._threads
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
-        sampling = inp.sampling
-        if not sampling:
-            if self.device.type == "cuda":  # the forward's time, not its launches'
-                torch.cuda.synchronize(self.device)
-            return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
-        logits = self.model.compute_logits(
-            hidden.index_select(0, inp.logit_rows), inp.meta.layer_ops
-        )  # [S, V]
-        if self.device.type == "cuda":
+        step = self._graph_step(sched.scheduled)
+        logits, sampling = step if step is not None else self._eager_step(sched.scheduled)
+        if self.device.type == "cuda":  # the forward's time, not its launches'
             torch.cuda.synchronize(self.device)
+        if logits is None:
+            return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
         t1 = time.perf_counter()
         out = self.sampler(logits, [_sampling_row(s) for s in sampling])
         sampled = {s.request_id: t for s, t in zip(sampling, out.token_ids, strict=True)}
@@ -371,6 +400,36 @@ class ModelRunner:
             s.request_id: lp for s, lp in zip(sampling, out.logprobs, strict=True) if lp is not None
         }
         return ModelRunnerOutput(sampled, logprobs, t1 - t0, time.perf_counter() - t1)
+
+    def _graph_step(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, list[ScheduledRequest]] | None:
+        """A decode-only step through the decode graphs: logits [n, V] of its rows, all of
+        which sample, and the rows; None where the graphs do not take the step."""
+        graphs = self.decode_graphs
+        key = graphs.key(scheduled) if graphs is not None else None
+        if graphs is None or key is None:
+            return None
+        logits = graphs.run(scheduled, key)  # [n, V], the members' order (all sample)
+        return None if logits is None else (logits, scheduled)
+
+    def _eager_step(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
+        """A step op by op: logits [S, V] of the rows that sample (None where none does)
+        and those rows."""
+        inp = self._prepare(scheduled)
+        if self._threads > 1:
+            want = 1 if inp.input_ids.numel() <= self._small_step_tokens else self._threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
+        if not inp.sampling:
+            return None, []
+        logits = self.model.compute_logits(
+            hidden.index_select(0, inp.logit_rows), inp.meta.layer_ops
+        )  # [S, V]
+        return logits, inp.sampling
 
     @torch.inference_mode()
     def all_logits(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
