@@ -12,7 +12,10 @@ Correctness, on the default model, on the device:
 Throughput, kvflow continuous in bfloat16, each workload after a short warm-up: the
 long-tail batch job (64 requests) and the mixed workload (256 requests) on the default
 model and on a ~1B random-weight Llama (Llama 3.2 1B's shape with the default
-tokenizer's vocabulary, seeded): output and computed tok/s, TTFT, ITL and e2e.
+tokenizer's vocabulary, seeded): output and computed tok/s, TTFT, ITL and e2e. Decode
+steps go through CUDA graphs (`--decode-graphs auto`); the default model's long-tail job
+runs again with them off, and each run reports what the graphs did (captured, replayed,
+eager steps, a capture's failure).
 `--quick` shrinks every part (a 2-layer random model, 8 requests) to check the script
 itself; its agreement (32 positions) is reported, not held to the bar. Prints the tables and writes gpu.json and gpu.md under --out; exit status 1 when
 a correctness check fails.
@@ -147,7 +150,14 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def throughput(model: str | None, device: str, s: Sizes, name: str) -> list[Result]:
+def throughput(
+    model: str | None,
+    device: str,
+    s: Sizes,
+    name: str,
+    graphs: str = "auto",
+    workloads: tuple[str, ...] = ("longtail", "mixed"),
+) -> list[Result]:
     release(device)
     cuda = device.startswith("cuda")
     engine = LLMEngine(
@@ -159,6 +169,7 @@ def throughput(model: str | None, device: str, s: Sizes, name: str) -> list[Resu
             # ample for 256 requests of up to ~1,000 tokens on either model, and bounded
             # (the default takes 90% of the free memory, slow to allocate and zero)
             kv_cache_bytes=CUDA_KV_BYTES if cuda else None,
+            decode_graphs=graphs,
         )
     )
     tok = engine.tokenizer
@@ -166,14 +177,19 @@ def throughput(model: str | None, device: str, s: Sizes, name: str) -> list[Resu
     # already in the prefix cache
     warm = make_workload(tok, 4, seed=99, prompt_range=(16, 64), output_range=(4, 4))
     runs = {
-        "longtail": make_longtail_workload(tok, s.longtail, seed=1),
-        "mixed": make_workload(tok, s.mixed, seed=1, output_range=(8, s.output_max)),
+        "longtail": lambda: make_longtail_workload(tok, s.longtail, seed=1),
+        "mixed": lambda: make_workload(tok, s.mixed, seed=1, output_range=(8, s.output_max)),
     }
     results = []
-    for wl_name, wl in runs.items():
+    for wl_name in workloads:
+        wl = runs[wl_name]()
         run_kvflow(engine, warm, "warmup")
         r = run_kvflow(engine, wl, f"{name}, {wl_name} ({len(wl.prompts)} requests)")
         r.prompt_tokens = wl.prompt_tokens
+        stats = engine.runner.decode_graphs.stats if engine.runner.decode_graphs else None
+        r.extra["decode_graphs"] = (
+            stats.describe() if stats is not None else engine.info.decode_graphs
+        )
         results.append(r)
     return results
 
@@ -191,6 +207,8 @@ def table(results: list[Result]) -> str:
             f"| {r.q('itl', 50) * 1000:.1f} / {r.q('itl', 99) * 1000:.1f} "
             f"| {r.q('e2e', 50):.1f} / {r.q('e2e', 99):.1f} | {r.extra['mean_batch']:.1f} |"
         )
+    rows.append("")
+    rows += [f"- {r.system}: decode graphs {r.extra['decode_graphs']}" for r in results]
     return "\n".join(rows)
 
 
@@ -230,6 +248,9 @@ def main() -> None:
         file=sys.stderr,
     )
     results = throughput(None, args.device, s, "default model")
+    results += throughput(
+        None, args.device, s, "default model, decode graphs off", "off", ("longtail",)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         shape = SMALL if args.quick else ONE_B
         big = random_llama(
@@ -275,6 +296,7 @@ def main() -> None:
                 "itl_p50_s": r.q("itl", 50),
                 "e2e_p50_s": r.q("e2e", 50),
                 "mean_batch": r.extra["mean_batch"],
+                "decode_graphs": r.extra["decode_graphs"],
             }
             for r in results
         ],

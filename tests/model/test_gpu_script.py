@@ -30,10 +30,18 @@ def test_gpu_script_runs_its_checks_and_workloads_on_cpu(tmp_path: Path, default
     # 32 positions: too few for the 99% bar (reported only), enough to catch a broken path
     assert record["agreement"]["of"] == 2 * 16 and record["agreement"]["agree"] >= 28
     runs = {r["run"]: r for r in record["runs"]}
-    assert len(runs) == 4 and any(name.startswith("random Llama") for name in runs)
+    assert len(runs) == 5 and any(name.startswith("random Llama") for name in runs)
     for r in runs.values():
         assert r["output_tok_s"] > 0 and r["computed_tok_s"] > r["output_tok_s"]
         assert r["ttft_p50_s"] <= r["e2e_p50_s"]
+    # the long-tail job again with decode graphs off; on CPU auto leaves them off too
+    off = [r for name, r in runs.items() if "decode graphs off" in name]
+    assert len(off) == 1 and off[0]["decode_graphs"] == "off (set explicitly)"
+    assert all(
+        r["decode_graphs"] == "off (CUDA graphs are for CUDA, not cpu)"
+        for name, r in runs.items()
+        if "decode graphs off" not in name
+    )
     assert "| run | output tok/s |" in (tmp_path / "gpu.md").read_text()
 
 
