@@ -254,7 +254,8 @@ def run_batch(
         f"{info.num_threads} threads; linear layers: {info.linear}; attention: {info.attention}), "
         f"{info.num_blocks} KV blocks "
         f"x {info.block_size} tokens in {info.kv_cache_dtype}, keys as {info.key_layout}, "
-        f"{config.scheduling} scheduling",
+        f"{config.scheduling} scheduling"
+        + (f", decode graphs: {info.decode_graphs}" if info.device != "cpu" else ""),
         err=True,
     )
     if engine.operating_point is not None:

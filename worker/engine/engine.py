@@ -96,7 +96,7 @@ class LLMEngine:
         self.info: RuntimeInfo = self.runner.info
         log.info(
             "dtype %s (%s); %d threads; linear layers: %s; attention: %s; KV cache: %s, "
-            "keys as %s%s",
+            "keys as %s%s; decode graphs: %s",
             self.info.dtype,
             choice.reason,
             self.info.num_threads,
@@ -105,6 +105,7 @@ class LLMEngine:
             self.info.kv_cache_dtype,
             self.info.key_layout,
             f"; {self.info.allocator}" if self.info.allocator else "",
+            self.info.decode_graphs,
         )
         self.scheduler = Scheduler(config, self.info.num_blocks, self.info.max_model_len)
         self.operating_point: OperatingPoint | None = None
