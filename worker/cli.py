@@ -255,7 +255,11 @@ def run_batch(
         f"{info.num_blocks} KV blocks "
         f"x {info.block_size} tokens in {info.kv_cache_dtype}, keys as {info.key_layout}, "
         f"{config.scheduling} scheduling"
-        + (f", decode graphs: {info.decode_graphs}" if info.device != "cpu" else ""),
+        + (
+            f", decode graphs: {info.decode_graphs}"
+            if info.device != "cpu" or config.decode_graphs != "auto"
+            else ""
+        ),
         err=True,
     )
     if engine.operating_point is not None:

@@ -14,8 +14,9 @@ long-tail batch job (64 requests) and the mixed workload (256 requests) on the d
 model and on a ~1B random-weight Llama (Llama 3.2 1B's shape with the default
 tokenizer's vocabulary, seeded): output and computed tok/s, TTFT, ITL and e2e. Decode
 steps go through CUDA graphs (`--decode-graphs auto`); the default model's long-tail job
-runs again with them off, and each run reports what the graphs did (captured, replayed,
-eager steps, a capture's failure).
+runs again with them off, and each run reports what the graphs did during it (captured
+and in how long, replayed, eager steps, a capture's failure). Each run's warm-up is its
+workload from another seed, which captures most of the buckets it replays.
 `--quick` shrinks every part (a 2-layer random model, 8 requests) to check the script
 itself; its agreement (32 positions) is reported, not held to the bar. Prints the tables and writes gpu.json and gpu.md under --out; exit status 1 when
 a correctness check fails.
@@ -24,6 +25,7 @@ a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -42,6 +44,7 @@ from workload import make_longtail_workload, make_workload
 
 from worker.config import EngineConfig
 from worker.engine.agreement import prefill_agreement
+from worker.engine.decode_graphs import GraphStats
 from worker.engine.engine import LLMEngine
 from worker.hardware import AGREEMENT_BAR
 from worker.request import SamplingParams
@@ -173,25 +176,42 @@ def throughput(
         )
     )
     tok = engine.tokenizer
-    # warm-up prompts of their own: the workloads' prompts must not find their openings
-    # already in the prefix cache
-    warm = make_workload(tok, 4, seed=99, prompt_range=(16, 64), output_range=(4, 4))
+    # Each workload's warm-up is the same kind of workload from another seed: prompts of
+    # their own (the measured ones must not find their openings in the prefix cache), and
+    # batches and contexts like the measured run's, so that the decode graphs' buckets it
+    # replays are mostly captured before the clock starts.
     runs = {
-        "longtail": lambda: make_longtail_workload(tok, s.longtail, seed=1),
-        "mixed": lambda: make_workload(tok, s.mixed, seed=1, output_range=(8, s.output_max)),
+        "longtail": lambda seed: make_longtail_workload(tok, s.longtail, seed=seed),
+        "mixed": lambda seed: make_workload(
+            tok, s.mixed, seed=seed, output_range=(8, s.output_max)
+        ),
     }
+    graphs = engine.runner.decode_graphs
     results = []
     for wl_name in workloads:
-        wl = runs[wl_name]()
-        run_kvflow(engine, warm, "warmup")
+        wl = runs[wl_name](1)
+        run_kvflow(engine, runs[wl_name](2), "warmup")
+        before = dataclasses.replace(graphs.stats, keys=[]) if graphs is not None else None
         r = run_kvflow(engine, wl, f"{name}, {wl_name} ({len(wl.prompts)} requests)")
         r.prompt_tokens = wl.prompt_tokens
-        stats = engine.runner.decode_graphs.stats if engine.runner.decode_graphs else None
         r.extra["decode_graphs"] = (
-            stats.describe() if stats is not None else engine.info.decode_graphs
+            engine.info.decode_graphs
+            if graphs is None or before is None
+            else graph_delta(before, graphs.stats).describe()
         )
         results.append(r)
     return results
+
+
+def graph_delta(before: GraphStats, after: GraphStats) -> GraphStats:
+    """What the decode graphs did between two snapshots of their stats."""
+    return GraphStats(
+        captured=after.captured - before.captured,
+        replays=after.replays - before.replays,
+        eager_steps=after.eager_steps - before.eager_steps,
+        failed=after.failed,
+        capture_s=after.capture_s - before.capture_s,
+    )
 
 
 def table(results: list[Result]) -> str:

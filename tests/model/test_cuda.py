@@ -92,13 +92,49 @@ def test_cuda_decode_graphs_fall_back_when_capture_fails(tiny_model_dir, monkeyp
     path = str(tiny_model_dir("smollm2"))
     want = _tokens(_engine(path, decode_graphs="off"))
 
-    def refuse(*a, **kw):
+    def refuse(self, *a, **kw):
         raise RuntimeError("capture refused by the test")
 
-    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refuse)
     engine = _engine(path)
     assert _tokens(engine) == want
     graphs = engine.runner.decode_graphs
-    assert graphs is not None and graphs.stats.replays == 0
+    assert graphs is not None and graphs.stats.replays == 0 and graphs.stats.captured == 0
     assert graphs.stats.failed is not None and "capture refused" in graphs.stats.failed
     assert graphs.stats.eager_steps > 0
+
+
+def test_cuda_decode_graph_replays_after_later_captures_in_bfloat16(tiny_model_dir) -> None:
+    """A bucket's graph replayed again after other buckets were captured into the same
+    pool (A, B, A), each replay's logits against the same step op by op."""
+    path = str(tiny_model_dir("llama3"))
+    loaded = load_model(path, dtype="bfloat16", device="cuda")
+    cfg = EngineConfig(
+        model=path, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=128
+    )
+    engine = LLMEngine(cfg, loaded=loaded)
+    runner = engine.runner
+    graphs = runner.decode_graphs
+    assert graphs is not None
+    checked = []
+    run = graphs.run
+
+    def checking(members, key):
+        out = run(members, key)
+        assert out is not None
+        got = out.clone()
+        eager, rows = runner._eager_step(members)  # writes the same K/V again
+        at = {s.request_id: i for i, s in enumerate(rows)}
+        order = torch.tensor([at[s.request_id] for s in members], device=got.device)
+        torch.testing.assert_close(got, eager[order], rtol=2e-2, atol=2e-2)
+        checked.append(key)
+        return out
+
+    graphs.run = checking
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for batch in (4, 1, 4, 2, 4):  # buckets 4, 1, 4 again, 2, 4 again
+        engine.generate(_prompts()[:batch], greedy)
+    assert {k.batch for k in graphs.stats.keys} == {1, 2, 4}
+    later = checked[checked.index(next(k for k in checked if k.batch == 1)) :]
+    assert any(k.batch == 4 for k in later)  # a batch-4 graph replayed after others' capture
+    assert graphs.stats.failed is None, graphs.stats.failed

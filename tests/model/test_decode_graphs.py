@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import worker.engine.decode_graphs as graphs_mod
 from worker.cli import build_engine_config, engine_options
@@ -95,6 +96,59 @@ def test_steps_past_the_buckets_run_eagerly(
     assert graphs is not None and graphs.max_blocks == 4 and graphs.max_batch == 4
     assert graphs.stats.replays > 0 and graphs.stats.eager_steps > 0
     assert all(k.blocks <= 4 and k.batch <= 4 for k in graphs.stats.keys)
+
+
+def freeze(engine: LLMEngine) -> dict[GraphKey, object]:
+    """Each bucket's step traced once (make_fx records its ops over the static buffers,
+    every Python decision and host value fixed as it was) and the trace run in its place
+    on later steps: on CPU, what a CUDA graph's replay does. A step that depended on
+    anything but the static buffers' contents goes wrong here, not only on a GPU."""
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    traced: dict[GraphKey, object] = {}
+    forward = graphs._forward
+
+    def frozen(key: GraphKey) -> torch.Tensor:
+        if key not in traced:
+            traced[key] = make_fx(lambda: forward(key))()
+        out: torch.Tensor = traced[key]()  # type: ignore[operator]
+        return out
+
+    graphs._forward = frozen  # type: ignore[method-assign]
+    return traced
+
+
+def test_frozen_steps_give_the_eager_steps_tokens(tiny: LoadedModel) -> None:
+    prompts, params = workload(9, seed=6)
+    want = tokens(make(tiny, "off"), prompts, params)
+    fixed = make(tiny, "eager")
+    traced = freeze(fixed)
+    assert tokens(fixed, prompts, params) == want
+    graphs = fixed.runner.decode_graphs
+    assert graphs is not None and len(traced) == graphs.stats.captured >= 3
+    assert graphs.stats.replays > len(traced)
+
+
+def test_freezing_catches_a_step_that_reads_the_host(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above can fail: a mask built on the host from the lengths (as a capture
+    would freeze it) gives the eager steps' tokens unfrozen and other tokens frozen."""
+
+    def host_mask(lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+        visible = torch.zeros(len(lens), num_keys, dtype=torch.bool)
+        for i, n in enumerate(lens.tolist()):
+            visible[i, max(0, n - window) if window else 0 : n] = True
+        return visible[:, None, None, :].to(lens.device)
+
+    monkeypatch.setattr(graphs_mod, "decode_mask", host_mask)
+    tiny = load_model(str(tiny_model_dir("smollm2")))
+    prompts, params = workload(9, seed=6)
+    want = tokens(make(tiny, "off"), prompts, params)
+    assert tokens(make(tiny, "eager"), prompts, params) == want
+    fixed = make(tiny, "eager")
+    freeze(fixed)
+    assert tokens(fixed, prompts, params) != want
 
 
 def _slot(s: ScheduledRequest, bs: int) -> tuple[int, int]:
@@ -189,4 +243,6 @@ def test_auto_on_cpu_says_why_not(tiny: LoadedModel) -> None:
     engine = make(tiny, "auto")
     assert engine.runner.decode_graphs is None
     assert engine.info.decode_graphs == "off (CUDA graphs are for CUDA, not cpu)"
+    fixed = make(tiny, "eager")
+    assert fixed.info.decode_graphs.endswith("as fixed-shape steps without capture (eager)")
     assert all(k.shape[0] == engine.info.num_blocks for k, _ in engine.runner.kv_caches)

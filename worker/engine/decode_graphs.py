@@ -31,7 +31,9 @@ they tell a capture's fault from the fixed shapes' own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -75,11 +77,15 @@ class GraphStats:
     captured: int = 0  # graphs captured (eager mode: shapes built)
     replays: int = 0  # steps run through a graph
     eager_steps: int = 0  # decode steps past the buckets, run by the eager path
-    failed: str | None = None  # why capture stopped (every later step runs eagerly)
-    keys: list[GraphKey] = field(default_factory=list)
+    failed: str | None = None  # why a capture failed (buckets not captured run eagerly)
+    capture_s: float = 0.0  # seconds spent capturing (in the steps that captured)
+    keys: list[GraphKey] = field(default_factory=list)  # buckets, in the order first used
 
     def describe(self) -> str:
-        out = f"{self.captured} captured, {self.replays} steps replayed, {self.eager_steps} eager"
+        out = (
+            f"{self.captured} captured in {self.capture_s:.1f} s, {self.replays} steps "
+            f"replayed, {self.eager_steps} eager"
+        )
         return out + (f"; capture failed: {self.failed}" if self.failed else "")
 
 
@@ -136,50 +142,68 @@ class DecodeGraphs:
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._heads = torch.arange(self.num_kv_heads, dtype=torch.int64, device=device)
         self._workspace = _RetainingWorkspace(device)
-        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # a bucket's graph (None: its fixed shapes run uncaptured, "eager")
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph | None] = {}
+        # every graph's logits [max_batch, V] float32, made at the first capture: one
+        # buffer rather than one per graph (up to ~100 of 12.6 MB at batch 64 here)
+        self._logits: torch.Tensor | None = None
+        if capture:
+            with torch.cuda.device(device):
+                self._pool = torch.cuda.graph_pool_handle()
+                # warm-up and capture on a stream of the model's device: a capture records
+                # only its own stream's work, and torch's default capture stream is the
+                # current device's (the wrong one for "cuda:1" where 0 is current)
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def describe(self) -> str:
-        how = "CUDA graphs" if self.capture else "fixed-shape steps without capture (eager)"
+        how = (
+            "CUDA graphs, a graph per bucket captured on first use"
+            if self.capture
+            else "fixed-shape steps without capture (eager)"
+        )
         return (
             f"decode steps of up to {self.max_batch} sequences and "
-            f"{self.max_blocks * self.block_size} tokens as {how}, a graph per bucket "
-            "captured on first use"
+            f"{self.max_blocks * self.block_size} tokens as {how}"
         )
 
     def key(self, members: list[ScheduledRequest]) -> GraphKey | None:
         """The bucket of a step of these rows, or None where it is not one the graphs take:
         prompt tokens (or a row that does not sample: one token of a prompt's middle),
-        too many rows, too long a context, or capture has failed."""
+        too many rows, too long a context, or a bucket not captured after a capture
+        failed (the graphs captured before it still replay)."""
         if not members or any(s.num_new_tokens != 1 or not s.samples for s in members):
             return None
         blocks = cdiv(max(s.start for s in members) + 1, self.block_size)
+        key = GraphKey(batch_bucket(len(members)), blocks_bucket(blocks))
         if (
-            self.stats.failed is not None
-            or len(members) > self.max_batch
+            len(members) > self.max_batch
             or blocks > self.max_blocks
+            or (self.stats.failed is not None and key not in self._graphs)
         ):
             self.stats.eager_steps += 1
             return None
-        return GraphKey(batch_bucket(len(members)), blocks_bucket(blocks))
+        return key
 
     def run(self, members: list[ScheduledRequest], key: GraphKey) -> torch.Tensor | None:
         """Logits [n, V] float32 of the members' next tokens, in their order (a view of the
-        graph's output: read it before the next step), or None where capture failed (the
-        step then takes the eager path)."""
+        graphs' output: read it before the next step), or None where this bucket's capture
+        failed (the step then takes the eager path)."""
         self._fill(members, key)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._build(key)
-            if entry is None:
-                return None
-        graph, logits = entry
-        if graph is not None:
-            graph.replay()
-        else:
-            logits = self._forward(key)
+        n = len(members)
+        if key not in self._graphs:
+            if self.capture:
+                return self._capture(key, n)
+            self._graphs[key] = None
+            self.stats.keys.append(key)
+            self.stats.captured += 1
+        graph = self._graphs[key]
         self.stats.replays += 1
-        return logits[: len(members)]
+        if graph is None:
+            return self._forward(key)[:n]
+        assert self._logits is not None
+        with torch.cuda.device(self.device):
+            graph.replay()
+        return self._logits[:n]
 
     def _views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
         """ids, positions, slots, lengths [B] and tables [B, NB] of a bucket: views into
@@ -208,9 +232,15 @@ class DecodeGraphs:
             fields[3, r] = start + 1
             used = cdiv(start + 1, bs)
             tables[r, :used] = s.block_ids[:used]
-        if n and not (fields[2, :n].min() >= 0 and fields[2, :n].max() < self.scratch_block * bs):
-            # the graph writes where the slots say: one past the pool's blocks is a bug
-            raise ValueError("a decode row's cache slot lies outside the cache's blocks")
+        if n and not (
+            fields[2, :n].min() >= 0
+            and fields[2, :n].max() < self.scratch_block * bs
+            and tables[:n].min() >= 0
+            and tables[:n].max() <= self.scratch_block
+        ):
+            # the graph reads and writes where the tables and slots say: past the pool's
+            # blocks is a bug upstream, and on a GPU a fatal fault
+            raise ValueError("a decode row's blocks lie outside the cache")
         self._inputs[: host.size].copy_(self._host[: host.size], non_blocking=True)
 
     def _forward(self, key: GraphKey) -> torch.Tensor:
@@ -235,32 +265,58 @@ class DecodeGraphs:
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [B, C]
         return self.model.compute_logits(hidden)
 
-    def _build(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor] | None:
-        """The bucket's graph, captured over the static buffers as they stand (this step's
-        inputs: capture runs the step's kernels without their effects, and the warm-up
-        before it writes only what the step itself writes). None where capture failed:
-        logged once, and every later step runs eagerly."""
+    def _capture(self, key: GraphKey, n: int) -> torch.Tensor | None:
+        """Capture the bucket's graph over the static buffers as they stand (this step's
+        inputs), check its first replay against the same step run op by op, and return
+        this step's logits [n, V]; None where capture or the check failed (logged with
+        its cause; the step then runs op by op, writing its K/V again, and so does every
+        later step of a bucket not captured yet)."""
+        B, t0 = key.batch, time.perf_counter()
         self.stats.keys.append(key)
-        if not self.capture:
-            self.stats.captured += 1
-            entry: tuple[torch.cuda.CUDAGraph | None, torch.Tensor] = (None, torch.empty(0))
-            self._graphs[key] = entry
-            return entry
+        graph = torch.cuda.CUDAGraph()
         try:
-            # warm-up on a side stream (lazy initialisation, cuBLAS's handles and
-            # workspaces) so that capture records only the step's own work
-            side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._forward(key)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(key)
-        except Exception as e:  # any capture fault: the eager path takes every later step
+            with torch.cuda.device(self.device):
+                current = torch.cuda.current_stream()
+                self._stream.wait_stream(current)
+                with torch.cuda.stream(self._stream):
+                    # the step op by op first: lazy initialisation (cuBLAS's handles and
+                    # workspaces) outside the capture, and the reference for the check
+                    ref = self._forward(key)
+                    if self._logits is None:
+                        self._logits = torch.empty(
+                            (self.max_batch, ref.shape[1]), dtype=ref.dtype, device=self.device
+                        )
+                    out = self._logits[:B]
+                    # torch.cuda.graph would also empty the allocator's cache at each capture
+                    graph.capture_begin(pool=self._pool)
+                    try:
+                        out.copy_(self._forward(key))
+                    except BaseException:
+                        with contextlib.suppress(Exception):  # the cause is the first error
+                            graph.capture_end()
+                        raise
+                    graph.capture_end()
+                current.wait_stream(self._stream)
+                out.fill_(float("nan"))  # an empty graph would leave the buffer as it was
+                graph.replay()
+                if not torch.allclose(out, ref, rtol=1e-3, atol=1e-3):
+                    worst = (out - ref).abs().nan_to_num(float("inf")).max().item()
+                    raise RuntimeError(
+                        f"the first replay's logits differ from the same step op by op "
+                        f"(largest difference {worst:.3g})"
+                    )
+        except Exception as e:  # any capture fault: this bucket's steps run op by op
             self.stats.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            log.warning("decode graphs off: capturing %s failed (%s)", key, self.stats.failed)
+            log.warning(
+                "decode graphs: capturing %s failed (%s); its steps run op by op",
+                key,
+                self.stats.failed,
+                exc_info=True,
+            )
             return None
+        finally:
+            self.stats.capture_s += time.perf_counter() - t0
+        self._graphs[key] = graph
         self.stats.captured += 1
-        self._graphs[key] = (graph, logits)
-        return graph, logits
+        self.stats.replays += 1
+        return out[:n]

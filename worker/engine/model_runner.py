@@ -387,6 +387,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        if self._threads > 1:
+            tokens = sum(s.num_new_tokens for s in sched.scheduled)
+            want = 1 if tokens <= self._small_step_tokens else self._threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         step = self._graph_step(sched.scheduled)
         logits, sampling = step if step is not None else self._eager_step(sched.scheduled)
         if self.device.type == "cuda":  # the forward's time, not its launches'
@@ -419,10 +424,6 @@ class ModelRunner:
         """A step op by op: logits [S, V] of the rows that sample (None where none does)
         and those rows."""
         inp = self._prepare(scheduled)
-        if self._threads > 1:
-            want = 1 if inp.input_ids.numel() <= self._small_step_tokens else self._threads
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
         if not inp.sampling:
             return None, []
