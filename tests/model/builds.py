@@ -11,13 +11,25 @@ import torch
 from worker.hardware import read_cpu_flags
 from worker.model.native import MARCH_FLAGS, NativeKernels, load_native
 
+# Builds of this CPU's own instruction set with code paths it does not take by default:
+# the AMX tiles emulated in C (amx.h), so that a CPU without AMX checks the tiles' code
+# (the row kernel's, the decode kernel's score pass); on a CPU with AMX, the decode
+# kernel's score pass on the real tiles, which the default build leaves off (unmeasured).
+AMX_EMULATED = "native+amx-emulated"
+AMX_SCORES = "native+amx-scores"
+VARIANT_DEFINES = {
+    "amx-emulated": ("-DKVFLOW_AMX_EMULATE",),
+    "amx-scores": ("-DKVFLOW_AMX_SCORES=1",),
+}
 
-def kernel_builds(*, needs_avx2: bool = False) -> list[str]:
+
+def kernel_builds(*, needs_avx2: bool = False, variants: bool = False) -> list[str]:
     """The -march targets to test on this CPU: "native", then each older x86-64 level it
     runs whose paths differ from native's: "x86-64-v4" (AVX-512 without bfloat16 or VNNI)
     where native adds those, "x86-64-v3" (AVX2 and FMA) where native has AVX-512,
     "x86-64-v2" (no AVX2: the plain loops) where native has AVX2; `needs_avx2` leaves out
-    the last (kernels it does not build)."""
+    the last (kernels it does not build). `variants` adds AMX_SCORES on a CPU with AMX,
+    AMX_EMULATED on another with AVX-512."""
     flags = read_cpu_flags()
     runs = {m for m, needs in MARCH_FLAGS.items() if needs <= flags}
     builds = ["native"]
@@ -28,11 +40,17 @@ def kernel_builds(*, needs_avx2: bool = False) -> list[str]:
         builds.append("x86-64-v3")
     if "x86-64-v2" in runs and "avx2" in flags and not needs_avx2:
         builds.append("x86-64-v2")
+    if variants and "amx_bf16" in flags:
+        builds.append(AMX_SCORES)
+    elif variants and "avx512f" in flags:
+        builds.append(AMX_EMULATED)
     return builds
 
 
-def load_build(march: str) -> NativeKernels:
-    loaded = load_native(march=march)
+def load_build(name: str) -> NativeKernels:
+    """A build by its name in kernel_builds: a -march, or "native+" a variant."""
+    march, _, variant = name.partition("+")
+    loaded = load_native(march=march, defines=VARIANT_DEFINES[variant] if variant else ())
     assert loaded.kernels is not None, loaded.reason  # the test machines have a C compiler
     return loaded.kernels
 

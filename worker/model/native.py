@@ -701,7 +701,10 @@ def vendor_defines(march: str, vendor: str) -> tuple[str, ...]:
 
 
 def load_native(
-    compiler: str | None = None, march: str = "native", kernels: Path = KERNELS
+    compiler: str | None = None,
+    march: str = "native",
+    kernels: Path = KERNELS,
+    defines: tuple[str, ...] = (),
 ) -> NativeLoad:
     """Build (once per source, compiler, instruction set and CPU) and load the CPU kernels.
 
@@ -713,7 +716,9 @@ def load_native(
     does not run (its library would die at its first call) is a ValueError.
 
     `kernels` is the folder of the sources (another version's, for a benchmark that
-    times two side by side in one process: `ops/bench/kernel_ab.py`)."""
+    times two side by side in one process: `ops/bench/kernel_ab.py`). `defines` are the
+    compiler's -D flags of a build variant the tests check (tests/model/builds.py: the
+    AMX tiles emulated, KVFLOW_AMX_EMULATE; the score pass on them, KVFLOW_AMX_SCORES)."""
     cpu = read_cpu_flags()
     if march != "native":
         if march not in MARCH_FLAGS:
@@ -728,7 +733,7 @@ def load_native(
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return NativeLoad(None, f"no C compiler ({cc!r} not found)")
-    flags = (*CFLAGS, f"-march={march}", *vendor_defines(march, read_cpu_vendor()))
+    flags = (*CFLAGS, f"-march={march}", *vendor_defines(march, read_cpu_vendor()), *defines)
     sources, headers = sorted(kernels.glob("*.c")), sorted(kernels.glob("*.h"))
     key = hashlib.sha256(
         b"\0".join(

@@ -58,6 +58,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "entries.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -501,6 +502,102 @@ score_pairs(const float *restrict qh, const uint16_t *restrict blk, int off, int
         }
 }
 
+/* Scores of keys in pairs on AMX tiles (score_pairs_amx): where the build is for a CPU
+ * with AMX and KVFLOW_AMX_SCORES is 1, or the tiles are emulated (amx.h: the tests).
+ * Off by default: not yet measured on a CPU with AMX. To time it there, both ways in one
+ * process: cp -r worker/model/kernels /tmp/amx && sed -i 's/define KVFLOW_AMX_SCORES 0/
+ * define KVFLOW_AMX_SCORES 1/' /tmp/amx/paged_decode.c && python ops/bench/kernel_ab.py
+ * --base worker/model/kernels --head /tmp/amx --ops decode --rows 16,32,64 */
+#ifndef KVFLOW_AMX_SCORES
+#define KVFLOW_AMX_SCORES 0
+#endif
+#if defined(KVFLOW_AMX) && defined(__AVX512F__) && (KVFLOW_AMX_SCORES || defined(KVFLOW_AMX_EMULATE))
+#define AMX_SCORES 1
+
+/* The tiles of the score pass, for G query heads of D (64 or 128) values: C tile 0 [2G,
+ * 16] float32; A tiles 1 .. D / 32, q's rows [2G, 32] bfloat16 (G rows of q rounded, G
+ * of what rounding dropped) for dimensions 32 j .. 32 j + 31; B tiles 5 and 6 in turn,
+ * [16 pairs of dimensions, 16 keys, 2] bfloat16 as a block of keys in pairs holds them. */
+static void configure_scores(int G, int D) {
+    struct kvflow_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t <= D / 32; t++) {
+        cfg.rows[t] = (uint8_t)(2 * G);
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 5; t <= 6; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* q [G, D] float32 into the A tiles: each value as two bfloat16 halves, rounded and what
+ * rounding dropped (16 of float32's 24 significand bits, as score16_bf16 takes it). */
+static inline __attribute__((always_inline)) void load_q_tiles(const float *restrict qh,
+                                                               const int G, const int D) {
+    uint16_t qa[4][16][32] __attribute__((aligned(64)));
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) {
+            const uint16_t hi = to_bf16(qh[(size_t)g * D + d]);
+            qa[d / 32][g][d % 32] = hi;
+            qa[d / 32][G + g][d % 32] = to_bf16(qh[(size_t)g * D + d] - from_bf16(hi));
+        }
+    _tile_loadd(1, qa[0], 64);
+    _tile_loadd(2, qa[1], 64);
+    if (D == 128) {
+        _tile_loadd(3, qa[2], 64);
+        _tile_loadd(4, qa[3], 64);
+    }
+}
+
+/* score_pairs on the tiles (q in the A tiles: load_q_tiles): 16 keys' products with q's
+ * two halves for the G heads in one C tile, pair rows 16 j .. 16 j + 15 of the block
+ * (BS * 4 bytes apart) a B tile as they lie; then row g plus row G + g, scaled, the
+ * scores of head g. The AVX-512 path spends ~6 FMAs and a widening a pair of dimensions
+ * and 16 keys on what the tiles do in one dot product instruction per 32 dimensions. */
+static inline __attribute__((always_inline)) void
+score_pairs_amx(const uint16_t *restrict blk, int off, int stop, int BS, const int G, const int D,
+                float scale, float *restrict dst, size_t m, const char *next, size_t next_row,
+                __m512 *restrict mx16) {
+    float c[16 * 16] __attribute__((aligned(64)));
+    const long stride = (long)BS * 4;
+    for (int c0 = off / 16 * 16; c0 < off + stop; c0 += 16) {
+        if (next != NULL) ask_lines(next + (size_t)c0 * next_row, 0, (size_t)16 * next_row);
+        const uint16_t *b0 = blk + (size_t)c0 * 2;
+        _tile_zero(0);
+        _tile_loadd(5, b0, stride);
+        _tile_dpbf16ps(0, 1, 5);
+        _tile_loadd(6, b0 + (size_t)16 * BS * 2, stride);
+        _tile_dpbf16ps(0, 2, 6);
+        if (D == 128) {
+            _tile_loadd(5, b0 + (size_t)32 * BS * 2, stride);
+            _tile_dpbf16ps(0, 3, 5);
+            _tile_loadd(6, b0 + (size_t)48 * BS * 2, stride);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, c, 64);
+        const int lo = c0 < off ? off - c0 : 0;
+        const int end = off + stop - c0 < 16 ? off + stop - c0 : 16; /* lanes lo .. end - 1 */
+        const __mmask16 keep = (__mmask16)(((1u << end) - 1u) & ~((1u << lo) - 1u));
+        for (int g = 0; g < G; g++) {
+            __m512 sg = _mm512_add_ps(_mm512_load_ps(c + 16 * g), _mm512_load_ps(c + 16 * (G + g)));
+            sg = _mm512_mul_ps(sg, _mm512_set1_ps(scale));
+            mx16[g] = _mm512_mask_max_ps(mx16[g], keep, mx16[g], sg);
+            float *dg = dst + (size_t)g * m;
+            if (lo == 0 && end == 16) {
+                _mm512_storeu_ps(dg + (c0 - off), sg);
+            } else {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, sg);
+                for (int l = lo; l < end; l++) dg[c0 + l - off] = tmp[l];
+            }
+        }
+    }
+}
+#endif
+
 /* Head h's rows for positions t.. of one sequence, up to the end of t's block or len:
  * a pointer to them in the cache and, in *stop, how many. */
 static inline const char *block_run(const void *cache, size_t row, const int32_t *table, int t,
@@ -551,7 +648,7 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
             const void *restrict v_cache, const int32_t *restrict table, int first, int len,
             int h, int KVH, const int G, const int D, const int kind_k, const int kind_v, int BS, float scale,
             float *restrict scores, float *restrict acc, float *restrict wide,
-            const char *const then[AHEAD]) {
+            const char *const then[AHEAD], const int amx) {
     const size_t row_k = row_bytes(kind_k, D), row_v = row_bytes(kind_v, D);
     const int m = len - first;
     if (m <= 0) {
@@ -588,6 +685,11 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
      * `skip` steps past its last block land on the first value run (pass 1) or the next
      * pair's first key run (pass 2), not beyond them. */
     const int nv = (len - 1) / BS + 1 - first / BS, skip = AHEAD > nv ? AHEAD - nv : 0;
+#if defined(AMX_SCORES)
+    if (amx) load_q_tiles(qh, G, D);
+#else
+    (void)amx;
+#endif
     /* pass 1: scores, running max per query head */
     for (int t = first, stop; t < len; t += stop) {
         const char *run = block_run(k_cache, row_k, table, t, len, h, KVH, BS, &stop);
@@ -600,6 +702,13 @@ attend_pair(const float *restrict qh, float *restrict o, const void *restrict k_
         const size_t next_row = past < 0 ? row_k : row_v; /* the rows of the run `next` */
         if (kind_k == KV_BF16P) {
             const int off = t % BS;
+#if defined(AMX_SCORES)
+            if (amx) {
+                score_pairs_amx((const uint16_t *)(run - (size_t)off * row_k), off, stop, BS, G,
+                                D, scale, scores + (t - first), (size_t)m, next, next_row, mx16);
+                continue;
+            }
+#endif
             score_pairs(qh, (const uint16_t *)(run - (size_t)off * row_k), off, stop, BS, G, D,
                         scale, scores + (t - first), (size_t)m, mx, next, next_row
 #if defined(__AVX512F__)
@@ -834,6 +943,7 @@ struct pair {
     float scale;
     float *scores, *acc, *wide;
     const char *const *then;
+    int amx; /* the score pass on AMX tiles (configured by the caller's thread) */
 };
 
 /* The pair's work with the head size D and the group size G as literals where they are
@@ -849,7 +959,7 @@ static inline __attribute__((always_inline)) void attend(const struct pair *p, c
                                                          const int D) {
     attend_pair(p->qh, p->o, p->k_cache, p->v_cache, p->table, p->first, p->len, p->h, p->KVH,
                 G, D, p->kind_k, p->kind_v, p->BS, p->scale, p->scores, p->acc, p->wide,
-                p->then);
+                p->then, p->amx);
 }
 #define PAIR_FN(GV, DV)                                                    \
     static __attribute__((noinline)) void pair_##GV##_##DV(const struct pair *p) { \
@@ -908,6 +1018,14 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
             failed = 1;
         }
         const int threads = omp_get_num_threads();
+#if defined(AMX_SCORES)
+        /* keys in pairs, blocks of a multiple of 16 keys, D 64 or 128, 2G rows a tile */
+        const int amx = ok && kind_k == KV_BF16P && BS % 16 == 0 && (D == 64 || D == 128) &&
+                        G <= 8 && kvflow_amx_ready();
+        if (amx) configure_scores(G, D);
+#else
+        const int amx = 0;
+#endif
         /* Whole sequences to a thread, its KV heads one after another, where there are
          * enough of them to share out (else (sequence, KV head) pairs). A block holds its
          * KV heads' runs side by side ([NB, KVH, BS, D]): the hardware's prefetchers,
@@ -948,15 +1066,18 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
                 const float *qh = q + ((size_t)i * H + (size_t)h * G) * D;
                 const size_t at = ((size_t)i * H + (size_t)h * G) * D;
                 float *o = out_bf16 ? res : (float *)out + at;
-                const struct pair p = {qh,    o,      k_cache, v_cache, table,  first,
+                const struct pair p = {qh,    o,      k_cache, v_cache, table, first,
                                        len,   h,      KVH,     kind_k,  kind_v, BS,
-                                       scale, scores, acc,     wide,    then};
+                                       scale, scores, acc,     wide,    then,  amx};
                 if ((D == 64 || D == 128) && G >= 1 && G <= 8) PAIR_SHAPES[D == 128][G - 1](&p);
                 else pair_any(&p, G, D);
                 uint16_t *ob = (uint16_t *)out + at;
                 for (int e = 0; out_bf16 && e < G * D; e++) ob[e] = to_bf16(res[e]);
             }
         }
+#if defined(AMX_SCORES)
+        if (amx) _tile_release();
+#endif
         free(scores);
         free(acc);
         free(wide);

@@ -52,6 +52,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "entries.h"
 #include "share.h"
@@ -148,35 +149,13 @@ static void any_tile(const uint16_t *x, const uint16_t *wp, uint16_t *out, const
     }
 }
 
-#if defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands a process the AMX tile data only once it asks (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that dies of
- * SIGILL. -1: not asked yet; then 1 granted, 0 refused (the vector tiles are used). Atomic:
- * callers from two threads (ctypes lets go of the GIL) may both ask, harmlessly. */
-static int amx_granted = -1;
-
-static int amx_ready(void) {
-    int granted = __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
-    if (granted < 0) {
-        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-        __atomic_store_n(&amx_granted, granted, __ATOMIC_RELEASE);
-    }
-    return granted;
-}
-
+#if defined(KVFLOW_AMX)
 /* The tile registers for a slab of r0 + r1 rows (r0 <= 16, r1 <= 16, r1 > 0 only with
  * r0 == 16): C tiles 0, 1 (rows 0..r0-1 x blocks b, b + 1, float32) and 2, 3 (rows 16..),
  * A tiles 4 (rows 0..r0-1 x 32 inputs) and 5 (rows 16..), B tiles 6, 7 (blocks b, b + 1 x
  * 16 pairs). Tiles of no rows stay unconfigured (and unused). */
 static void configure(int r0, int r1) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) cfg;
+    struct kvflow_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
@@ -280,8 +259,8 @@ static void vector_rows(const uint16_t *x, const uint16_t *wp, uint16_t *out, in
 int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out, int M, int R,
                             int N, int K) {
     if (M < 1 || N % 16 != 0 || K % 2 != 0 || R < M) return 1;
-#if defined(__AMX_BF16__)
-    if (K % 32 == 0 && amx_ready())
+#if defined(KVFLOW_AMX)
+    if (K % 32 == 0 && kvflow_amx_ready())
         amx_rows(x, wp, out, M, N, K);
     else
 #endif
@@ -296,8 +275,8 @@ int kvflow_matmul_rows_built(void) { return 1; }
 /* Whether it computes on AMX tiles (where K is a multiple of 32): built for a CPU with AMX,
  * and the tiles granted to this process. */
 int kvflow_matmul_rows_amx(void) {
-#if defined(__AMX_BF16__)
-    return amx_ready();
+#if defined(KVFLOW_AMX)
+    return kvflow_amx_ready();
 #else
     return 0;
 #endif
@@ -312,4 +291,26 @@ int kvflow_matmul_rows_bf16(const uint16_t *x, const uint16_t *wp, uint16_t *out
 int kvflow_matmul_rows_built(void) { return 0; }
 
 int kvflow_matmul_rows_amx(void) { return 0; }
+#endif
+
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the AMX tile data only once it asks (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that dies of
+ * SIGILL. -1: not asked yet; then 1 granted, 0 refused (the vector tiles are used). Atomic:
+ * callers from two threads (ctypes lets go of the GIL) may both ask, harmlessly. */
+static int amx_granted = -1;
+
+int kvflow_amx_ready(void) {
+    int granted = __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
+    if (granted < 0) {
+        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&amx_granted, granted, __ATOMIC_RELEASE);
+    }
+    return granted;
+}
+#elif defined(KVFLOW_AMX)
+int kvflow_amx_ready(void) { return 1; } /* the tiles emulated (amx.h) */
 #endif
