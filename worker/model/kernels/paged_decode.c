@@ -505,9 +505,8 @@ score_pairs(const float *restrict qh, const uint16_t *restrict blk, int off, int
 /* Scores of keys in pairs on AMX tiles (score_pairs_amx): where the build is for a CPU
  * with AMX and KVFLOW_AMX_SCORES is 1, or the tiles are emulated (amx.h: the tests).
  * Off by default: not yet measured on a CPU with AMX. To time it there, both ways in one
- * process: cp -r worker/model/kernels /tmp/amx && sed -i 's/define KVFLOW_AMX_SCORES 0/
- * define KVFLOW_AMX_SCORES 1/' /tmp/amx/paged_decode.c && python ops/bench/kernel_ab.py
- * --base worker/model/kernels --head /tmp/amx --ops decode --rows 16,32,64 */
+ * process, kernel_ab.py takes a copy of these sources with the 0 below made 1 as its
+ * --head (the command: ops/bench/RESULTS.md, "AMX tiles emulated"). */
 #ifndef KVFLOW_AMX_SCORES
 #define KVFLOW_AMX_SCORES 0
 #endif
