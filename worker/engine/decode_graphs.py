@@ -14,8 +14,10 @@ A graph replays fixed shapes and fixed addresses, so a step is padded to a bucke
 - context: the blocks a row's keys span, a power of two up to MAX_GRAPH_TOKENS' worth
   (the gather reads whole padded contexts, so at most twice the useful keys).
 Steps past either (or with prompt tokens) take the eager path. Each (batch, blocks)
-bucket's graph is captured on first use, all into one memory pool (replays never overlap:
-a step reads its logits before the next one starts).
+bucket's graph is captured on first use, all into one memory pool and writing one logits
+buffer (replays never overlap: a step reads its logits before the next one starts), and
+its first replay is checked against the same step run op by op; a bucket whose capture
+or check fails runs op by op, and so does every bucket not captured by then.
 
 The step's inputs are copied into static buffers, one host-to-device copy of a packed
 int64 array a step: token ids, positions, cache slots, context lengths and block tables
@@ -25,8 +27,10 @@ one group. Padding rows read token 0 at position 0, write their K/V into a scrat
 no sequence holds (the runner allocates one past the pool's) and attend to that block.
 
 The same fixed-shape steps run without capture where asked ("eager"): on CPU, with the
-torch attention path, the tests check them against the eager step's logits; on a GPU
-they tell a capture's fault from the fixed shapes' own.
+torch attention path, the tests check them against the op-by-op steps and replay each
+bucket's step traced once by make_fx, the CPU's stand-in for a capture
+(tests/model/test_decode_graphs.py); on a GPU they tell a capture's fault from the fixed
+shapes' own.
 """
 
 from __future__ import annotations
