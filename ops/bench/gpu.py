@@ -93,13 +93,24 @@ QUICK = Sizes(2, 8, 2, 16, 8, 8, 24)
 
 
 def check_greedy(device: str, s: Sizes) -> dict[str, object]:
-    """kvflow's float32 greedy tokens against transformers' on the same device."""
+    """kvflow's float32 greedy tokens against transformers' on the same device (decode
+    steps through CUDA graphs there), and against kvflow's own with the graphs off."""
     from transformers import AutoModelForCausalLM
 
     engine = LLMEngine(EngineConfig(device=device, dtype="float32", num_kv_blocks=256))
     tok = engine.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT[: s.greedy_prompts]]
-    ours = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=s.greedy_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=s.greedy_tokens)
+    ours = engine.generate(ids, params)
+    graphs = engine.runner.decode_graphs
+    off = LLMEngine(
+        EngineConfig(device=device, dtype="float32", num_kv_blocks=256, decode_graphs="off"),
+        loaded=engine.loaded,
+    )
+    same = sum(
+        a.token_ids == b.token_ids for a, b in zip(ours, off.generate(ids, params), strict=True)
+    )
+    del off
     ref = AutoModelForCausalLM.from_pretrained(engine.loaded.path, dtype=torch.float32)
     ref = ref.to(device).eval()
     equal = []
@@ -114,7 +125,13 @@ def check_greedy(device: str, s: Sizes) -> dict[str, object]:
                 pad_token_id=tok.eos_token_ids[0],
             )
         equal.append(out.token_ids == gen[0, len(prompt) :].tolist())
-    return {"equal": sum(equal), "of": len(equal), "ok": all(equal)}
+    return {
+        "equal": sum(equal),
+        "of": len(equal),
+        "ok": all(equal),
+        "equal_graphs_off": same,
+        "decode_graphs": graphs.stats.describe() if graphs else engine.info.decode_graphs,
+    }
 
 
 def check_agreement(device: str, s: Sizes) -> dict[str, object]:
@@ -259,7 +276,12 @@ def main() -> None:
     where = device_line(args.device)
     print(where, file=sys.stderr)
     greedy = check_greedy(args.device, s)
-    print(f"greedy float32 equals transformers: {greedy['equal']}/{greedy['of']}", file=sys.stderr)
+    print(
+        f"greedy float32 equals transformers: {greedy['equal']}/{greedy['of']} (decode graphs: "
+        f"{greedy['decode_graphs']}); equals its own with the graphs off: "
+        f"{greedy['equal_graphs_off']}/{greedy['of']}",
+        file=sys.stderr,
+    )
     agreement = check_agreement(args.device, s)
     full = agreement.get("agree_full_reductions")
     print(
@@ -291,7 +313,9 @@ def main() -> None:
         [
             where,
             f"Default model: float32 greedy equals transformers' on {greedy['equal']} of "
-            f"{greedy['of']} prompts; bfloat16 next-token agreement {agreement['agree']} of "
+            f"{greedy['of']} prompts (decode graphs: {greedy['decode_graphs']}), its own "
+            f"with the graphs off on {greedy['equal_graphs_off']}; bfloat16 next-token "
+            f"agreement {agreement['agree']} of "
             f"{agreement['of']} (bar {AGREEMENT_BAR:.0%})"
             + (
                 f"; with float32 reductions in cuBLAS {agreement['agree_full_reductions']}."
