@@ -65,3 +65,10 @@ def onednn_packs_bfloat16() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def scores_on_tiles(kernels: NativeKernels) -> bool:
+    """Whether `kernels` is the build variant meant to score keys in pairs on AMX tiles
+    (AMX_EMULATED, or AMX_SCORES on a CPU with AMX)."""
+    variants = [b for b in kernel_builds(variants=True) if "+" in b]
+    return any(load_build(v).path == kernels.path for v in variants)

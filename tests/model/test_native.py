@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import worker.model.native as native_mod
-from tests.model.builds import kernel_builds, load_build
+from tests.model.builds import kernel_builds, load_build, scores_on_tiles
 from worker.config import EngineConfig
 from worker.hardware import INTEL, read_cpu_flags, read_cpu_vendor
 from worker.model.attention import (
@@ -275,7 +275,9 @@ def to_pairs(k_rows: torch.Tensor) -> torch.Tensor:
 # Keys in pairs: blocks of 16 and 32 take 16 keys a vector where the CPU has AVX-512
 # (windows start runs mid-block, partial blocks end them: masked lanes), blocks of 4 the
 # per-key loop; 1 to 8 query heads a KV head keep accumulators in registers (four a head
-# up to 4, two up to 8), 16 take the per-key loop; D 54 has an odd number of pairs.
+# up to 4, two up to 8), 16 take the per-key loop; D 54 has an odd number of pairs. On
+# AMX tiles (the builds that take them: tests/model/builds.py) D 64 and 128 with 1 to 8
+# heads a KV head, 2 to 16 rows a tile.
 @pytest.mark.parametrize("values", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window", "bs"),
@@ -283,6 +285,8 @@ def to_pairs(k_rows: torch.Tensor) -> torch.Tensor:
         (9, 3, 64, None, 16),
         (9, 3, 64, 37, 16),
         (4, 4, 128, None, 32),
+        (16, 2, 128, None, 16),
+        (8, 4, 128, 45, 64),
         (8, 1, 64, 21, 16),
         (16, 1, 32, None, 16),
         (6, 2, 54, 19, 32),
@@ -301,8 +305,10 @@ def test_kernel_reads_bfloat16_keys_in_pairs(
     kernels: NativeKernels,
 ) -> None:
     """Keys in pairs: the kernel equals the float32 path on the widened keys (scores of q as
-    it is, in another order than the rows' sums), and so does the torch gather path, which
-    puts the pairs back into rows."""
+    it is, in another order than the rows' sums; on AMX tiles of q as two bfloat16 halves,
+    within ~1e-5), and so does the torch gather path, which puts the pairs back into rows.
+    A build meant to score them on the tiles does."""
+    assert kernels.decode_amx_scores == scores_on_tiles(kernels)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

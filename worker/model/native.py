@@ -147,6 +147,13 @@ class NativeKernels:
         AVX-512 FP16 in its flags): within ~1e-5 of q as it is) rather than q as it is."""
         return bool(self.lib.kvflow_bf16_scores())
 
+    @property
+    def decode_amx_scores(self) -> bool:
+        """Whether the decode kernel scores keys in pairs on AMX tiles (a build that takes
+        them, KVFLOW_AMX_SCORES or the tiles emulated, and the tiles granted): q cut into
+        two bfloat16 halves there too."""
+        return bool(self.lib.kvflow_decode_amx_scores())
+
     def paged_decode_entry(
         self, k_dtype: torch.dtype, v_dtype: torch.dtype | None = None
     ) -> Callable[..., int]:
@@ -764,6 +771,8 @@ def load_native(
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_float]
     lib.kvflow_bf16_scores.restype = ctypes.c_int
     lib.kvflow_bf16_scores.argtypes = []
+    lib.kvflow_decode_amx_scores.restype = ctypes.c_int
+    lib.kvflow_decode_amx_scores.argtypes = []
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_rms_norm.argtypes = (
         [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2

@@ -25,29 +25,53 @@ struct kvflow_tile_config {
 
 #if defined(KVFLOW_AMX_EMULATE) && !defined(__AMX_BF16__)
 #include <immintrin.h> /* first: its tile functions, which the names below then stand for */
+#include <stdlib.h>
 #include <string.h>
 
-/* The 8 tiles of this thread: up to 16 rows of 64 bytes each, as configured. */
+/* The 8 tiles of this thread, as the hardware keeps them: a configuration (none until
+ * loaded, none again after a release) and up to 16 rows of 64 bytes each. One state for
+ * the whole library (defined in small_matmul.c), so that a kernel overwriting another's
+ * tiles goes wrong here as it would on the CPU. What the hardware refuses (a tile not
+ * configured, shapes that do not fit) aborts, where the CPU would fault. */
 struct kvflow_tiles {
-    int rows[8], colsb[8];
+    int configured, rows[8], colsb[8];
     unsigned char data[8][16][64];
 };
-static __thread struct kvflow_tiles kvflow_tile_regs;
+extern __thread struct kvflow_tiles kvflow_tile_regs;
 
+static inline void kvflow_emu_check(int ok) {
+    if (!ok) abort();
+}
 static inline void kvflow_emu_loadconfig(const void *config) {
     const struct kvflow_tile_config *c = (const struct kvflow_tile_config *)config;
+    kvflow_emu_check(c->palette == 1 && c->start_row == 0);
     for (int t = 0; t < 8; t++) {
+        kvflow_emu_check(c->rows[t] <= 16 && c->colsb[t] <= 64 && c->colsb[t] % 4 == 0);
         kvflow_tile_regs.rows[t] = c->rows[t];
         kvflow_tile_regs.colsb[t] = c->colsb[t];
     }
+    memset(kvflow_tile_regs.data, 0, sizeof kvflow_tile_regs.data);
+    kvflow_tile_regs.configured = 1;
 }
-static inline void kvflow_emu_zero(int t) { memset(kvflow_tile_regs.data[t], 0, 16 * 64); }
+static inline void kvflow_emu_release(void) { memset(&kvflow_tile_regs, 0, sizeof kvflow_tile_regs); }
+static inline void kvflow_emu_used(int t) {
+    kvflow_emu_check(kvflow_tile_regs.configured && t >= 0 && t < 8 &&
+                     kvflow_tile_regs.rows[t] > 0 && kvflow_tile_regs.colsb[t] > 0);
+}
+static inline void kvflow_emu_zero(int t) {
+    kvflow_emu_used(t);
+    memset(kvflow_tile_regs.data[t], 0, 16 * 64);
+}
+/* the configured rows and bytes from memory, the rest of the tile zeroed */
 static inline void kvflow_emu_loadd(int t, const void *base, long stride) {
+    kvflow_emu_used(t);
+    memset(kvflow_tile_regs.data[t], 0, 16 * 64);
     for (int r = 0; r < kvflow_tile_regs.rows[t]; r++)
         memcpy(kvflow_tile_regs.data[t][r], (const char *)base + r * stride,
                (size_t)kvflow_tile_regs.colsb[t]);
 }
 static inline void kvflow_emu_stored(int t, void *base, long stride) {
+    kvflow_emu_used(t);
     for (int r = 0; r < kvflow_tile_regs.rows[t]; r++)
         memcpy((char *)base + r * stride, kvflow_tile_regs.data[t][r],
                (size_t)kvflow_tile_regs.colsb[t]);
@@ -58,9 +82,16 @@ static inline float kvflow_emu_bf16(const unsigned char *p) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
-/* C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1], in float32 */
+/* C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1], in float32 (the
+ * hardware's order of the adds is its own: results agree to a few ulp), with the shapes
+ * TDPBF16PS requires: C's rows A's, C's bytes a row B's, A's pairs a row B's rows */
 static inline void kvflow_emu_dpbf16ps(int c, int a, int b) {
     struct kvflow_tiles *t = &kvflow_tile_regs;
+    kvflow_emu_used(c);
+    kvflow_emu_used(a);
+    kvflow_emu_used(b);
+    kvflow_emu_check(t->rows[c] == t->rows[a] && t->colsb[c] == t->colsb[b] &&
+                     t->colsb[a] / 4 == t->rows[b]);
     const int M = t->rows[c], N = t->colsb[c] / 4, K = t->colsb[a] / 4;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
@@ -79,7 +110,7 @@ static inline void kvflow_emu_dpbf16ps(int c, int a, int b) {
 #undef _tile_stored
 #undef _tile_dpbf16ps
 #define _tile_loadconfig(config) kvflow_emu_loadconfig(config)
-#define _tile_release() ((void)0)
+#define _tile_release() kvflow_emu_release()
 #define _tile_zero(t) kvflow_emu_zero(t)
 #define _tile_loadd(t, base, stride) kvflow_emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) kvflow_emu_stored(t, base, stride)

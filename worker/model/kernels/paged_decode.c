@@ -510,7 +510,8 @@ score_pairs(const float *restrict qh, const uint16_t *restrict blk, int off, int
 #ifndef KVFLOW_AMX_SCORES
 #define KVFLOW_AMX_SCORES 0
 #endif
-#if defined(KVFLOW_AMX) && defined(__AVX512F__) && (KVFLOW_AMX_SCORES || defined(KVFLOW_AMX_EMULATE))
+#if defined(KVFLOW_AMX) && defined(__AVX512F__) &&                                       \
+    (KVFLOW_AMX_SCORES || (defined(KVFLOW_AMX_EMULATE) && !defined(__AMX_BF16__)))
 #define AMX_SCORES 1
 
 /* The tiles of the score pass, for G query heads of D (64 or 128) values: C tile 0 [2G,
@@ -563,18 +564,25 @@ score_pairs_amx(const uint16_t *restrict blk, int off, int stop, int BS, const i
     float c[16 * 16] __attribute__((aligned(64)));
     const long stride = (long)BS * 4;
     for (int c0 = off / 16 * 16; c0 < off + stop; c0 += 16) {
-        if (next != NULL) ask_lines(next + (size_t)c0 * next_row, 0, (size_t)16 * next_row);
+        /* the next run's share for these 16 keys, asked a part after each tile product
+         * (all at once they stall the core on a full miss queue: score_pairs) */
+        const char *ask = next == NULL ? NULL : next + (size_t)c0 * next_row;
+        const size_t span = (size_t)16 * next_row, part = span / (size_t)(D / 32);
         const uint16_t *b0 = blk + (size_t)c0 * 2;
         _tile_zero(0);
         _tile_loadd(5, b0, stride);
         _tile_dpbf16ps(0, 1, 5);
+        ask_lines(ask, 0, part);
         _tile_loadd(6, b0 + (size_t)16 * BS * 2, stride);
         _tile_dpbf16ps(0, 2, 6);
+        ask_lines(ask, part, D == 128 ? 2 * part : span);
         if (D == 128) {
             _tile_loadd(5, b0 + (size_t)32 * BS * 2, stride);
             _tile_dpbf16ps(0, 3, 5);
+            ask_lines(ask, 2 * part, 3 * part);
             _tile_loadd(6, b0 + (size_t)48 * BS * 2, stride);
             _tile_dpbf16ps(0, 4, 6);
+            ask_lines(ask, 3 * part, span);
         }
         _tile_stored(0, c, 64);
         const int lo = c0 < off ? off - c0 : 0;
@@ -1018,7 +1026,9 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
         }
         const int threads = omp_get_num_threads();
 #if defined(AMX_SCORES)
-        /* keys in pairs, blocks of a multiple of 16 keys, D 64 or 128, 2G rows a tile */
+        /* keys in pairs, blocks of a multiple of 16 keys, D 64 or 128, 2G rows a tile. The
+         * tiles stay this thread's until the region ends: nothing that uses them too (the
+         * row kernel, oneDNN) may run inside it. */
         const int amx = ok && kind_k == KV_BF16P && BS % 16 == 0 && (D == 64 || D == 128) &&
                         G <= 8 && kvflow_amx_ready();
         if (amx) configure_scores(G, D);
@@ -1083,6 +1093,17 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache,
         free(res);
     }
     return failed;
+}
+
+/* 1 where the score pass over keys in pairs runs on AMX tiles (AMX_SCORES, and the tiles
+ * granted to this process): q as two bfloat16 halves there too. The tests ask, so that
+ * a build meant to take the tiles cannot pass them through the vector path instead. */
+int kvflow_decode_amx_scores(void) {
+#if defined(AMX_SCORES)
+    return kvflow_amx_ready();
+#else
+    return 0;
+#endif
 }
 
 /* 1 where a bfloat16 cache's scores take q as two bfloat16 halves against the stored keys

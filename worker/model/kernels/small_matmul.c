@@ -313,4 +313,5 @@ int kvflow_amx_ready(void) {
 }
 #elif defined(KVFLOW_AMX)
 int kvflow_amx_ready(void) { return 1; } /* the tiles emulated (amx.h) */
+__thread struct kvflow_tiles kvflow_tile_regs;
 #endif
