@@ -11,6 +11,7 @@ import torch
 import worker.model.native as native_mod
 from tests.model.builds import kernel_builds, load_build, scores_on_tiles
 from worker.config import EngineConfig
+from worker.engine.engine import LLMEngine
 from worker.hardware import INTEL, read_cpu_flags, read_cpu_vendor
 from worker.model.attention import (
     AttentionMetadata,
@@ -29,6 +30,7 @@ from worker.model.native import (
     MARCH_FLAGS,
     NativeKernels,
     i8_group,
+    kernel_defines,
     load_native,
     vendor_defines,
 )
@@ -627,3 +629,28 @@ def test_kernels_build_from_the_sources_they_are_given(tmp_path, monkeypatch) ->
     # oldest level: a third of the native build's compile time)
     with pytest.raises(RuntimeError, match="groups int8 keys by 8 values"):
         load_native(march="x86-64-v2", kernels=changed)
+
+
+def test_kernel_switches_come_from_the_environment(monkeypatch, tiny_model_dir) -> None:
+    """KVFLOW_KERNEL_DEFINES flips the kernels' own switches for a whole engine (to time
+    one, e.g. KVFLOW_AMX_SCORES=1): a build of its own, named in the start-up facts; any
+    other flag is refused, saying which."""
+    assert kernel_defines("") == ()
+    assert kernel_defines("KVFLOW_AMX_SCORES=1, KVFLOW_X") == (
+        "-DKVFLOW_AMX_SCORES=1",
+        "-DKVFLOW_X",
+    )
+    for bad in ("AMX_SCORES=1", "KVFLOW_A=x", "KVFLOW_A;rm", "-O0"):
+        with pytest.raises(ValueError, match="KVFLOW_KERNEL_DEFINES"):
+            kernel_defines(bad)
+    plain = load_native(defines=())
+    monkeypatch.setenv("KVFLOW_KERNEL_DEFINES", "KVFLOW_AMX_SCORES=1")
+    switched = load_native()
+    assert switched.kernels is not None and plain.kernels is not None
+    assert "with KVFLOW_AMX_SCORES=1" in switched.reason
+    assert switched.kernels.path != plain.kernels.path
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("smollm2")), num_kv_blocks=64))
+    assert "with KVFLOW_AMX_SCORES=1" in engine.info.attention
+    monkeypatch.setenv("KVFLOW_KERNEL_DEFINES", "bogus")
+    with pytest.raises(ValueError, match="'bogus' is not a kernel switch"):
+        load_native()

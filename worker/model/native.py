@@ -19,6 +19,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -707,11 +708,29 @@ def vendor_defines(march: str, vendor: str) -> tuple[str, ...]:
     return ("-DKVFLOW_INTEL_CORE",) if march == "native" and vendor == INTEL else ()
 
 
+_DEFINE = re.compile(r"KVFLOW_[A-Z0-9_]+(=-?[0-9]+)?")
+
+
+def kernel_defines(text: str) -> tuple[str, ...]:
+    """KVFLOW_KERNEL_DEFINES ("KVFLOW_AMX_SCORES=1", several split by spaces or commas) as
+    the compiler's -D flags: the kernels' own switches only (KVFLOW_ names, integer
+    values), for measurements."""
+    out = []
+    for item in text.replace(",", " ").split():
+        if not _DEFINE.fullmatch(item):
+            raise ValueError(
+                f"KVFLOW_KERNEL_DEFINES: {item!r} is not a kernel switch NAME or NAME=integer "
+                "with a KVFLOW_ name (e.g. KVFLOW_AMX_SCORES=1)"
+            )
+        out.append(f"-D{item}")
+    return tuple(out)
+
+
 def load_native(
     compiler: str | None = None,
     march: str = "native",
     kernels: Path = KERNELS,
-    defines: tuple[str, ...] = (),
+    defines: tuple[str, ...] | None = None,
 ) -> NativeLoad:
     """Build (once per source, compiler, instruction set and CPU) and load the CPU kernels.
 
@@ -725,7 +744,11 @@ def load_native(
     `kernels` is the folder of the sources (another version's, for a benchmark that
     times two side by side in one process: `ops/bench/kernel_ab.py`). `defines` are the
     compiler's -D flags of a build variant the tests check (tests/model/builds.py: the
-    AMX tiles emulated, KVFLOW_AMX_EMULATE; the score pass on them, KVFLOW_AMX_SCORES)."""
+    AMX tiles emulated, KVFLOW_AMX_EMULATE; the score pass on them, KVFLOW_AMX_SCORES);
+    None takes KVFLOW_KERNEL_DEFINES from the environment (`kernel_defines`), so that a
+    whole engine can be timed with a switch of the kernels flipped."""
+    if defines is None:
+        defines = kernel_defines(os.environ.get("KVFLOW_KERNEL_DEFINES", ""))
     cpu = read_cpu_flags()
     if march != "native":
         if march not in MARCH_FLAGS:
@@ -809,6 +832,8 @@ def load_native(
             f"this module by {I8_KEY_GROUP}"
         )
     built_for = "this CPU" if march == "native" else march
+    if defines:
+        built_for += f" with {' '.join(d.removeprefix('-D') for d in defines)}"
     return NativeLoad(
         NativeKernels(lib, target, march), f"C kernels built for {built_for} ({target.name})"
     )
