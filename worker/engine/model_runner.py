@@ -412,9 +412,10 @@ class ModelRunner:
         """A decode-only step through the decode graphs: logits [n, V] of its rows, all of
         which sample, and the rows; None where the graphs do not take the step."""
         graphs = self.decode_graphs
-        key = graphs.key(scheduled) if graphs is not None else None
-        if graphs is None or key is None:
+        key = None if graphs is None else graphs.key(scheduled)
+        if key is None:
             return None
+        assert graphs is not None
         logits = graphs.run(scheduled, key)  # [n, V], the members' order (all sample)
         return None if logits is None else (logits, scheduled)
 

@@ -411,6 +411,29 @@ accumulate_eo(float *restrict acc, const float *restrict p, size_t m,
 }
 #endif
 
+#if defined(__AVX512F__)
+/* One head's dot products of the 16 keys c .. c + 15 of a block, times `scale`, kept for
+ * the lanes of keys off .. off + stop - 1 (a run that starts or ends mid-block masks the
+ * rest): stored at dg[key - off], and *mx (per lane) raised to them. */
+static inline __attribute__((always_inline)) void keep_run16(float *restrict dg,
+                                                             __m512 *restrict mx, __m512 dots,
+                                                             float scale, int c, int off,
+                                                             int stop) {
+    const int lo = c < off ? off - c : 0;
+    const int end = off + stop - c < 16 ? off + stop - c : 16; /* lanes lo .. end - 1 */
+    const __mmask16 keep = (__mmask16)(((1u << end) - 1u) & ~((1u << lo) - 1u));
+    const __m512 s = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
+    *mx = _mm512_mask_max_ps(*mx, keep, *mx, s);
+    if (lo == 0 && end == 16) {
+        _mm512_storeu_ps(dg + (c - off), s);
+        return;
+    }
+    float tmp[16];
+    _mm512_storeu_ps(tmp, s);
+    for (int l = lo; l < end; l++) dg[c + l - off] = tmp[l];
+}
+#endif
+
 /* Scores of keys off .. off + stop - 1 of one (block, head) run of a bfloat16 cache
  * stored in pairs (KV_BF16P): blk [D / 2, BS, 2], dimensions 2p and 2p + 1 of key b at
  * blk[(p * BS + b) * 2 + 0, 1]. The G query rows qh [G, D] against 16 keys at a time: one
@@ -466,22 +489,10 @@ score_pairs(const float *restrict qh, const uint16_t *restrict blk, int off, int
                 }
             }
             if (ask != NULL) ask_lines(ask, (size_t)(D / 2) * 64, span); /* the rest, if any */
-            const int lo = c < off ? off - c : 0;
-            const int end = off + stop - c < 16 ? off + stop - c : 16; /* lanes lo .. end - 1 */
-            const __mmask16 keep = (__mmask16)(((1u << end) - 1u) & ~((1u << lo) - 1u));
             for (int g = 0; g < G; g++) {
                 __m512 s = _mm512_add_ps(a[g][0], a[g][1]);
                 if (NA == 4) s = _mm512_add_ps(s, _mm512_add_ps(a[g][2], a[g][3]));
-                s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
-                mx16[g] = _mm512_mask_max_ps(mx16[g], keep, mx16[g], s);
-                float *dg = dst + (size_t)g * m;
-                if (lo == 0 && end == 16) {
-                    _mm512_storeu_ps(dg + (c - off), s);
-                } else {
-                    float tmp[16];
-                    _mm512_storeu_ps(tmp, s);
-                    for (int l = lo; l < end; l++) dg[c + l - off] = tmp[l];
-                }
+                keep_run16(dst + (size_t)g * m, mx16 + g, s, scale, c, off, stop);
             }
         }
         return;
@@ -585,22 +596,10 @@ score_pairs_amx(const uint16_t *restrict blk, int off, int stop, int BS, const i
             ask_lines(ask, 3 * part, span);
         }
         _tile_stored(0, c, 64);
-        const int lo = c0 < off ? off - c0 : 0;
-        const int end = off + stop - c0 < 16 ? off + stop - c0 : 16; /* lanes lo .. end - 1 */
-        const __mmask16 keep = (__mmask16)(((1u << end) - 1u) & ~((1u << lo) - 1u));
-        for (int g = 0; g < G; g++) {
-            __m512 sg = _mm512_add_ps(_mm512_load_ps(c + 16 * g), _mm512_load_ps(c + 16 * (G + g)));
-            sg = _mm512_mul_ps(sg, _mm512_set1_ps(scale));
-            mx16[g] = _mm512_mask_max_ps(mx16[g], keep, mx16[g], sg);
-            float *dg = dst + (size_t)g * m;
-            if (lo == 0 && end == 16) {
-                _mm512_storeu_ps(dg + (c0 - off), sg);
-            } else {
-                float tmp[16];
-                _mm512_storeu_ps(tmp, sg);
-                for (int l = lo; l < end; l++) dg[c0 + l - off] = tmp[l];
-            }
-        }
+        for (int g = 0; g < G; g++) /* the two halves' dot products added */
+            keep_run16(dst + (size_t)g * m, mx16 + g,
+                       _mm512_add_ps(_mm512_load_ps(c + 16 * g), _mm512_load_ps(c + 16 * (G + g))),
+                       scale, c0, off, stop);
     }
 }
 #endif
