@@ -114,10 +114,12 @@ def engine_options(fn: F) -> F:
             default=None,
             help="CPU prefill attention: SDPA on bfloat16 copies of q, k and v, or on "
             "float32 ones, the C decode kernel reading the cache in place (native), or the "
-            "C prompt kernel reading it in place (flash); auto takes bfloat16 where the CPU "
-            "has AMX behind bfloat16 linear layers, native behind bfloat16 ones where it "
-            "has avx512_bf16 without AMX, flash where it has AVX2 without AVX-512 or "
-            "behind int16 linear layers over a bfloat16 cache.",
+            "C prompt kernel reading it in place (flash; over keys in pairs on bfloat16 "
+            "products where the CPU has avx512_bf16); auto takes bfloat16 where the CPU "
+            "has AMX behind bfloat16 linear layers, flash over keys in pairs behind "
+            "bfloat16 ones where it has avx512_bf16 without AMX (native where the keys are "
+            "rows), flash where it has AVX2 without AVX-512 or behind int16 linear layers "
+            "over a bfloat16 cache.",
         ),
         click.option(
             "--kv-cache-dtype",

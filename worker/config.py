@@ -97,10 +97,12 @@ class EngineConfig:
     key_layout: str = "auto"
     # Prefill attention on CPU: "bfloat16" runs SDPA on bfloat16 copies of q, k and v,
     # "float32" on the activations, "native" the C decode kernel in place, a query row at
-    # a time, "flash" the C prompt kernel in place, tiles of queries at a time; "auto"
-    # takes bfloat16 where the CPU has AMX behind bfloat16 linear layers, native where it
-    # has avx512_bf16 without AMX, over a bfloat16 cache, flash where it has AVX2 without
-    # AVX-512 or behind int16 linear layers over a bfloat16 cache
+    # a time, "flash" the C prompt kernel in place, tiles of queries at a time (over keys
+    # in pairs on bfloat16 products where the CPU has avx512_bf16); "auto" takes bfloat16
+    # where the CPU has AMX behind bfloat16 linear layers, flash over keys in pairs where
+    # it has avx512_bf16 without AMX, over a bfloat16 cache (native where the keys are
+    # asked to be rows), flash where it has AVX2 without AVX-512 or behind int16 linear
+    # layers over a bfloat16 cache
     # (worker.hardware.choose_prefill_attention).
     prefill_attention: str = "auto"
     # Measure decode tokens/s against batch size at start-up and run at most the smallest

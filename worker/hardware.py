@@ -292,6 +292,7 @@ def choose_key_layout(
     cpu_flags: frozenset[str],
     group: int,
     block_size: int,
+    prompt_pairs: bool = False,
 ) -> DtypeChoice:
     """How a block of the keys' cache is laid out on CPU: "rows" ([block_size, D] a KV
     head, a key's values together), or "pairs" ([D / 2, block_size, 2]: dimensions 2p and
@@ -302,8 +303,9 @@ def choose_key_layout(
     The scores are float32 products of q as it is, summed in another order than the rows'.
 
     Pairs need bfloat16 keys ("bfloat16" or "bfloat16-int8"), decode attention in place
-    (the C kernel) and prompts not attended by the C prompt kernel ("flash": it reads key
-    rows); torch's gather paths put pairs back into rows where they read the cache (a
+    (the C kernel) and prompts not attended by the C prompt kernel ("flash"), unless it
+    takes pairs here (`prompt_pairs`: kernels/prefill_pairs.c built, a bfloat16 cache, the
+    model's shapes); torch's gather paths put pairs back into rows where they read the cache (a
     prompt continuing a cached prefix, under SDPA). Auto takes them wherever the kernel's
     vector path takes the shape: AVX-512, blocks of a multiple of 16 keys, at most 8 query
     heads a KV head. Measured on two CPUs (`ops/bench/step_profile.py --batches 16,64
@@ -330,8 +332,8 @@ def choose_key_layout(
         why_not = f"keys in pairs are bfloat16 (the KV cache is {kv_dtype})"
     elif not in_place_decode:
         why_not = "keys in pairs are read by the C decode kernel, which this engine lacks"
-    elif prefill_attention == "flash":
-        why_not = "the C prompt kernel (prefill attention flash) reads key rows"
+    elif prefill_attention == "flash" and not prompt_pairs:
+        why_not = "the C prompt kernel (prefill attention flash) reads key rows here"
     if requested == "rows":
         return DtypeChoice("rows", "set explicitly")
     if requested == "pairs":
@@ -363,6 +365,8 @@ def choose_prefill_attention(
     in_place: bool = False,
     kv_dtype: str = "bfloat16",
     prompt_kernel: bool = False,
+    prompt_pairs: bool = False,
+    key_layout: str = "auto",
 ) -> DtypeChoice:
     """How prefill attention runs on CPU: torch's SDPA over a chunk and its cached context
     in float32 or on bfloat16 copies of q, k and v ("float32", "bfloat16"), the C decode
@@ -371,11 +375,19 @@ def choose_prefill_attention(
     kernel reading the cache in place, tiles of a chunk's queries against chunks of keys
     with flash attention's online softmax, in float32 ("flash"; `prompt_kernel`: the
     runner has it, for a float32 or bfloat16 cache, the model's head shapes and no
-    sliding window). Outputs come back to the float32 residual stream either way.
+    sliding window; `prompt_pairs`: it also takes this model's keys in pairs, on bfloat16
+    products, kernels/prefill_pairs.c). Outputs come back to the float32 residual stream
+    either way.
     `linear_dtype` is the linear layers' ("int16" where float32 layers compute as integer
     products).
 
-    "auto" takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
+    "auto" takes "flash" over keys in pairs behind bfloat16 linear layers over a bfloat16
+    cache where the CPU has avx512_bf16 but no AMX, the prompt kernel takes pairs and the
+    keys are not asked to be rows (`key_layout`, the requested one; `choose_key_layout`
+    then takes pairs): on an AMD EPYC Zen 4 a prompt's attention over one layer's cache
+    took 0.49-0.58x the decode kernel's rows' time at 2,048 tokens, 0.51-0.69x at 100-256
+    (q [T, 9, 64], blocks scattered, 2 threads; the rows' float32 products against
+    bfloat16 ones). Else it takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
     what was measured; an int8 cache would hand prompt rows its rounded K/V where SDPA
     takes the exact ones) where the CPU has avx512_bf16 but no AMX: one layer's prefill
     attention ran in 0.36-0.60x float32 SDPA's time and whole prefill steps in
@@ -424,6 +436,15 @@ def choose_prefill_attention(
         return DtypeChoice(requested, "set explicitly")
     if linear_dtype == "bfloat16" and "amx_bf16" in cpu_flags:
         return DtypeChoice("bfloat16", "auto: AMX and bfloat16 linear layers")
+    if (
+        prompt_pairs
+        and key_layout != "rows"
+        and kv_dtype == linear_dtype == "bfloat16"
+        and "avx512_bf16" in cpu_flags
+    ):
+        return DtypeChoice(
+            "flash", "auto: avx512_bf16 without AMX, the C prompt kernel over keys in pairs"
+        )
     if in_place and kv_dtype == linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
         return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")
     if prompt_kernel and {"avx2", "fma"} <= cpu_flags and "avx512f" not in cpu_flags:

@@ -183,13 +183,14 @@ def _decode_agreement(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native"])
+@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native", "flash"])
 def test_bfloat16_next_token_agrees_with_float32(default_model_dir, prefill_attention) -> None:
     """Teacher forcing: over float32's greedy continuations, bfloat16 picks the same
     next token at >= 99% of positions (the bar `--dtype auto` must clear to pick bf16),
     with prefill attention on float32 or on bfloat16 copies of q, k and v (what `auto`
-    takes on a CPU with AMX), or through the C kernel from the bfloat16 cache (what it
-    takes with avx512_bf16 but no AMX).
+    takes on a CPU with AMX), or through the C kernels from the bfloat16 cache: the decode
+    kernel a row at a time, or the prompt kernel (over keys in pairs on bfloat16 products
+    where the CPU has avx512_bf16: what `auto` takes there without AMX).
 
     SDPA's bfloat16 kernel rounds differently by CPU: 1016 of 1024 on the Intel Xeon with
     AMX, 1013 on an AMD EPYC Zen 5, where `auto` does not take it; without AMX it is held

@@ -331,9 +331,9 @@ def test_kernel_reads_bfloat16_keys_in_pairs(
 
 
 def test_keys_in_pairs_are_refused_where_they_cannot_be_read(kernels: NativeKernels) -> None:
-    """Pairs are bfloat16 keys of the values' blocks, read by the decode kernel only: any
-    other dtype, a shape that is not the values' blocks in pairs, or the C prompt kernel
-    is refused, saying what it expected."""
+    """Pairs are bfloat16 keys of the values' blocks: any other dtype, a shape that is not
+    the values' blocks in pairs, or the C prompt kernel over int8 values is refused, saying
+    what it expected."""
     bs = 16
     q, k_cache, v_cache, tables, lens = _case(5, 9, 3, 64, bs, seed=3)
     pairs, v16 = to_pairs(k_cache.bfloat16()), v_cache.bfloat16()
@@ -353,9 +353,15 @@ def test_keys_in_pairs_are_refused_where_they_cannot_be_read(kernels: NativeKern
             0.3,
             0,
         )
-    with pytest.raises(ValueError, match="keys in rows"):
+    with pytest.raises(ValueError, match="keys and values alike"):
         kernels.prefill_attention(
-            q[:1].contiguous(), pairs, v16, tables[0].to(torch.int32), 3, q[:1].clone(), 0.125
+            q[:1].contiguous(),
+            pairs,
+            torch.zeros(*v16.shape[:3], 68, dtype=torch.int8),
+            tables[0].to(torch.int32),
+            3,
+            q[:1].clone(),
+            0.125,
         )
 
 

@@ -1,5 +1,6 @@
-"""The C prompt kernel (kernels/prefill_attention.c) equals causal SDPA over the same keys,
-read in place from scattered cache blocks, and refuses what its tiles do not hold."""
+"""The C prompt kernels equal causal SDPA over the same keys, read in place from scattered
+cache blocks, and refuse what their tiles do not hold: kernels/prefill_attention.c over keys
+in rows, kernels/prefill_pairs.c over bfloat16 keys in pairs (bfloat16 products)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.model.test_native import to_pairs
 from worker.model.native import NativeKernels, prefill_kernel_fits
 
 
@@ -101,3 +103,64 @@ def test_prompt_kernel_refuses_what_its_tiles_do_not_hold(kernels: NativeKernels
         kernels.prefill_attention(q, k_cache, v_cache, table[:1], 20, torch.empty_like(q), 0.125)
     with pytest.raises(TypeError, match="float32, bfloat16 or int8"):
         kernels.prefill_attention(q, k_cache.half(), v_cache.half(), table, 20, q, 0.125)
+
+
+# Keys in pairs: rows around the tile of 8 and chunks of 64 keys, contexts that end
+# mid-block and mid-chunk, blocks of 16 to 64 keys (several runs of 16 a block), head dims
+# of one to four tiles of 32 values, groups of 1 to 8 query heads a KV head.
+@pytest.mark.parametrize(
+    ("T", "context", "heads", "kv_heads", "dim", "bs"),
+    [
+        (1, 0, 9, 3, 64, 16),
+        (7, 0, 9, 3, 64, 16),
+        (9, 5, 9, 3, 64, 16),
+        (64, 0, 9, 3, 64, 16),
+        (65, 63, 9, 3, 64, 16),
+        (130, 100, 9, 3, 64, 16),
+        (300, 0, 9, 3, 64, 16),
+        (23, 70, 8, 1, 128, 64),
+        (12, 0, 32, 8, 64, 32),
+        (11, 20, 10, 2, 96, 16),
+        (33, 17, 4, 4, 32, 32),
+    ],
+)
+def test_prompt_kernel_over_keys_in_pairs_equals_causal_sdpa(
+    T: int, context: int, heads: int, kv_heads: int, dim: int, bs: int, kernels: NativeKernels
+) -> None:
+    """Bfloat16 products, q * scale and the softmax's weights rounded to bfloat16: within
+    bfloat16's rounding of the float32 kernel's result (q and the values are of unit scale,
+    so that a wrong key, a missed mask or a misplaced value moves outputs by ~0.1-1)."""
+    assert prefill_kernel_fits(heads, kv_heads, dim, bs, pairs=True)
+    q, k_cache, v_cache, table = _case(T, context, heads, kv_heads, dim, bs, seed=T + 7 * context)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    scale = dim**-0.5
+    got = torch.full_like(q, float("nan"))
+    if not kernels.prefill_pairs_built:  # a build for a CPU without avx512_bf16
+        with pytest.raises(RuntimeError, match="needs avx512_bf16"):
+            kernels.prefill_attention(q, to_pairs(k16), v16, table, context, got, scale)
+        return
+    kernels.prefill_attention(q, to_pairs(k16), v16, table, context, got, scale)
+    want = _reference(q, k16, v16, table, context, scale)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    # the rows' bfloat16 products: q rounded once, as here
+    rounded = _reference((q * scale).bfloat16().float(), k16, v16, table, context, 1.0)
+    assert (got - rounded).abs().mean() < 0.5 * (got - want).abs().mean() + 1e-3
+
+
+def test_prompt_kernel_over_keys_in_pairs_refuses_what_its_tiles_do_not_hold(
+    kernels: NativeKernels,
+) -> None:
+    assert not prefill_kernel_fits(9, 3, 80, 16, pairs=True)  # head dim not a multiple of 32
+    assert not prefill_kernel_fits(9, 3, 64, 8, pairs=True)  # blocks of fewer than 16 keys
+    assert not prefill_kernel_fits(18, 2, 64, 16, pairs=True)  # 9 query heads per KV head
+    assert prefill_kernel_fits(9, 3, 64, 128, pairs=True)  # long blocks: runs of 16
+    q, k_cache, v_cache, table = _case(8, 0, 9, 3, 80, 16, seed=3)
+    k16, v16 = to_pairs(k_cache.bfloat16()), v_cache.bfloat16()
+    out = torch.empty_like(q)
+    if kernels.prefill_pairs_built:
+        with pytest.raises(ValueError, match="of 80 in blocks of 16 with keys in pairs"):
+            kernels.prefill_attention(q, k16, v16, table, 0, out, 0.1)
+    # values other than the keys' dtype (int8 values behind keys in pairs)
+    v8 = torch.zeros(*v_cache.shape[:3], 80 + 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match="keys and values alike"):
+        kernels.prefill_attention(q, k16, v8, table, 0, out, 0.1)

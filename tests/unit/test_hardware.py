@@ -167,6 +167,22 @@ def test_prefill_attention_takes_the_kernel_with_avx512_bf16_without_amx() -> No
     assert choose_prefill_attention("auto", "cpu", "bfloat16", amx, in_place=True).dtype == (
         "bfloat16"
     )
+    # where the prompt kernel takes keys in pairs: it, unless the keys are asked to be rows
+    pairs = choose_prefill_attention(
+        "auto", "cpu", "bfloat16", bf16, True, "bfloat16", True, prompt_pairs=True
+    )
+    assert pairs.dtype == "flash" and "over keys in pairs" in pairs.reason
+    for other in (
+        {"key_layout": "rows"},
+        {"kv_dtype": "bfloat16-int8"},
+        {"linear_dtype": "float32"},
+        {"cpu_flags": amx},
+    ):
+        kw = {"linear_dtype": "bfloat16", "cpu_flags": bf16, "kv_dtype": "bfloat16"} | other
+        chosen = choose_prefill_attention(
+            "auto", "cpu", in_place=True, prompt_kernel=True, prompt_pairs=True, **kw
+        )
+        assert chosen.dtype != "flash", other
     # asked for explicitly, it needs the kernel
     explicit = choose_prefill_attention("native", "cpu", "float32", frozenset(), in_place=True)
     assert explicit.dtype == "native" and explicit.reason == "set explicitly"
@@ -418,7 +434,7 @@ def test_keys_in_pairs_where_the_c_kernel_reads_bfloat16_keys_by_avx512() -> Non
         ("cpu", "float32", True, "float32", "the KV cache is float32"),
         ("cpu", "int8", True, "bfloat16", "the KV cache is int8"),
         ("cpu", "bfloat16", False, "bfloat16", "lacks"),
-        ("cpu", "bfloat16", True, "flash", "prompt kernel"),
+        ("cpu", "bfloat16", True, "flash", "reads key rows here"),
     ):
         auto = choose_key_layout("auto", device, kv, in_place, prefill, amx, *shape)
         assert auto.dtype == "rows" and why in auto.reason
@@ -427,6 +443,10 @@ def test_keys_in_pairs_where_the_c_kernel_reads_bfloat16_keys_by_avx512() -> Non
     assert (
         choose_key_layout("rows", "cpu", "bfloat16", True, "bfloat16", amx, *shape).dtype == "rows"
     )
+    # the prompt kernel over keys in pairs, where it takes them: pairs
+    zen4 = amx - {"amx_bf16"}
+    over = choose_key_layout("auto", "cpu", "bfloat16", True, "flash", zen4, *shape, True)
+    assert over.dtype == "pairs"
     assert choose_key_layout(
         "pairs", "cpu", "bfloat16", True, "native", frozenset(), *shape
     ).dtype == ("pairs")

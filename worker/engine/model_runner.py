@@ -198,6 +198,20 @@ class ModelRunner:
         # the keys' cache and the values' (int8 rows hold D values and their float32
         # scales: quantize_rows); "bfloat16-int8" is bfloat16 keys over int8 values
         self.kv_dtype, self.v_dtype = cache_dtypes(kv.dtype)
+        prompt_kernel = (
+            self.native is not None
+            and kv.dtype in ("float32", "bfloat16")
+            and mcfg.sliding_window is None
+        )
+        shapes = (mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.block_size)
+        # the prompt kernel over keys in pairs (bfloat16 products), where built for this CPU
+        prompt_pairs = (
+            prompt_kernel
+            and self.native is not None
+            and self.native.prefill_pairs_built
+            and kv.dtype == "bfloat16"
+            and prefill_kernel_fits(*shapes, pairs=True)
+        )
         prefill = choose_prefill_attention(
             config.prefill_attention,
             self.device.type,
@@ -205,12 +219,9 @@ class ModelRunner:
             read_cpu_flags(),
             in_place=self.native is not None,
             kv_dtype=kv.dtype,
-            prompt_kernel=self.native is not None
-            and kv.dtype in ("float32", "bfloat16")
-            and mcfg.sliding_window is None
-            and prefill_kernel_fits(
-                mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.block_size
-            ),
+            prompt_kernel=prompt_kernel and prefill_kernel_fits(*shapes),
+            prompt_pairs=prompt_pairs,
+            key_layout=config.key_layout,
         )
         # None where SDPA takes q, k and v as they are (CUDA; float32 on CPU)
         self.prefill_dtype = DTYPES[prefill.dtype] if prefill.dtype == "bfloat16" else None
@@ -228,6 +239,7 @@ class ModelRunner:
             cpu_flags=read_cpu_flags(),
             group=mcfg.num_heads // mcfg.num_kv_heads,
             block_size=self.block_size,
+            prompt_pairs=prompt_pairs,
         )
         k_row = cache_row(self.kv_dtype, mcfg.head_dim, keys=True)
         v_row = cache_row(self.v_dtype, mcfg.head_dim, keys=False)

@@ -222,20 +222,22 @@ class NativeKernels:
     def prefill_attention(
         self,
         q: torch.Tensor,  # [T, H, D] float32, contiguous: a prompt chunk's rows
-        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16
-        v_cache: torch.Tensor,  # like k_cache
+        k_cache: torch.Tensor,  # [NB, KVH, BS, D] float32 or bfloat16, or bfloat16 pairs
+        v_cache: torch.Tensor,  # [NB, KVH, BS, D], k_cache's dtype
         block_table: torch.Tensor,  # [>= cdiv(num_context + T, BS)] int32: the sequence's
         num_context: int,  # keys cached before the chunk
         out: torch.Tensor,  # [T, H, D] float32, contiguous
         scale: float,
     ) -> None:
         """Causal attention of a prompt chunk of one sequence over its context and itself,
-        read in place from the cache (the chunk's K/V stored first; kernels/
-        prefill_attention.c), into `out`."""
+        read in place from the cache (the chunk's K/V stored first), into `out`: keys in
+        rows by kernels/prefill_attention.c (float32 products), keys in pairs by
+        kernels/prefill_pairs.c (bfloat16 products, q and the softmax's weights rounded
+        to bfloat16; CPUs with avx512_bf16: `prefill_pairs_built`)."""
         T, H, D = q.shape
         _check_cache(k_cache, v_cache, D, "reads")
-        _expect(not key_pairs(k_cache), "keys in rows (not in pairs)", k_cache)
-        _, KVH, BS, _ = k_cache.shape
+        pairs = key_pairs(k_cache)
+        KVH, BS = v_cache.shape[1], v_cache.shape[2]
         _check_rows(q, out, float32_only=True)
         _expect(out.shape == q.shape, f"an output of {tuple(q.shape)}", out)
         _expect(
@@ -251,11 +253,12 @@ class NativeKernels:
             f"an int32 block table of >= {blocks} blocks",
             block_table,
         )
-        entry = (
-            self.lib.kvflow_prefill_attention_f32
-            if k_cache.dtype == torch.float32
-            else self.lib.kvflow_prefill_attention_bf16
-        )
+        if pairs:
+            entry = self.lib.kvflow_prefill_attention_bf16p
+        elif k_cache.dtype == torch.float32:
+            entry = self.lib.kvflow_prefill_attention_f32
+        else:
+            entry = self.lib.kvflow_prefill_attention_bf16
         failed = entry(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -273,10 +276,22 @@ class NativeKernels:
         if failed == 2:
             raise ValueError(
                 f"the prompt attention kernel does not take {H} heads over {KVH} KV heads of "
-                f"{D} in blocks of {BS} (see prefill_kernel_fits)"
+                f"{D} in blocks of {BS}{' with keys in pairs' if pairs else ''} (see "
+                "prefill_kernel_fits)"
+            )
+        if failed == 3:
+            raise RuntimeError(
+                "the prompt kernel over keys in pairs is not built for this CPU (it needs "
+                "avx512_bf16: prefill_pairs_built)"
             )
         if failed:
             raise MemoryError("prompt attention could not allocate its widened keys")
+
+    @functools.cached_property
+    def prefill_pairs_built(self) -> bool:
+        """Whether the prompt kernel over keys in pairs (kernels/prefill_pairs.c) is built:
+        where the library was built for a CPU with avx512_bf16."""
+        return bool(self.lib.kvflow_prefill_pairs_built())
 
     def widen_top(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bfloat16 logits x [S, V] -> (their float32 values [S, V], the columns [S, width]
@@ -576,14 +591,19 @@ def rows_layout(weight: torch.Tensor) -> torch.Tensor:
     return w.view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether kernels/prefill_attention.c's tiles hold these shapes."""
+def prefill_kernel_fits(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, pairs: bool = False
+) -> bool:
+    """Whether the prompt kernel's tiles hold these shapes: kernels/prefill_attention.c's
+    for keys in rows, kernels/prefill_pairs.c's for keys in pairs (head dims a multiple of
+    32, blocks of a multiple of 16 keys)."""
     group, left = divmod(num_heads, num_kv_heads)
+    if left or group > PREFILL_MAX_GROUP or head_dim > PREFILL_MAX_HEAD_DIM:
+        return False
+    if pairs:
+        return head_dim % 32 == 0 and block_size % 16 == 0
     return (
-        left == 0
-        and group <= PREFILL_MAX_GROUP
-        and head_dim % 8 == 0
-        and head_dim <= PREFILL_MAX_HEAD_DIM
+        head_dim % 8 == 0
         and block_size <= PREFILL_KEY_CHUNK
         and PREFILL_KEY_CHUNK % block_size == 0
     )
@@ -789,9 +809,15 @@ def load_native(
     for fn in (getattr(lib, name) for name in (*DECODE_ENTRIES.values(), *PAIRS_ENTRIES.values())):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
-    for fn in (lib.kvflow_prefill_attention_f32, lib.kvflow_prefill_attention_bf16):
+    for fn in (
+        lib.kvflow_prefill_attention_f32,
+        lib.kvflow_prefill_attention_bf16,
+        lib.kvflow_prefill_attention_bf16p,
+    ):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_float]
+    lib.kvflow_prefill_pairs_built.restype = ctypes.c_int
+    lib.kvflow_prefill_pairs_built.argtypes = []
     lib.kvflow_bf16_scores.restype = ctypes.c_int
     lib.kvflow_bf16_scores.argtypes = []
     lib.kvflow_decode_amx_scores.restype = ctypes.c_int
