@@ -384,10 +384,13 @@ def choose_prefill_attention(
     "auto" takes "flash" over keys in pairs behind bfloat16 linear layers over a bfloat16
     cache where the CPU has avx512_bf16 but no AMX, the prompt kernel takes pairs and the
     keys are not asked to be rows (`key_layout`, the requested one; `choose_key_layout`
-    then takes pairs): on an AMD EPYC Zen 4 a prompt's attention over one layer's cache
-    took 0.49-0.58x the decode kernel's rows' time at 2,048 tokens, 0.51-0.69x at 100-256
-    (q [T, 9, 64], blocks scattered, 2 threads; the rows' float32 products against
-    bfloat16 ones). Else it takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
+    then takes pairs): the runner sends it the chunks of enough attention work and the
+    shorter ones to the decode kernel's rows (model_runner.PROMPT_KERNEL_MIN_WORK). On an
+    AMD EPYC Zen 4 a prompt's attention over one layer's cache took 0.49-0.58x the decode
+    kernel's rows' time at 2,048 tokens, 0.51-0.69x at 100-256 (q [T, 9, 64], blocks
+    scattered, 2 threads; the rows' float32 products against bfloat16 ones); whole
+    prompt steps 0.79x at 1 x 2,048 tokens, 0.88x at 2 x 1,024, 0.96-1.01x at 32 x 32 to
+    8 x 256 (the rows' own path there). Else it takes "native" behind bfloat16 linear layers over a bfloat16 cache (`kv_dtype`:
     what was measured; an int8 cache would hand prompt rows its rounded K/V where SDPA
     takes the exact ones) where the CPU has avx512_bf16 but no AMX: one layer's prefill
     attention ran in 0.36-0.60x float32 SDPA's time and whole prefill steps in

@@ -771,18 +771,33 @@ def compare_int16(engine: LLMEngine, batches: tuple[int, ...], rounds: int = 20)
     )
 
 
-PREFILL_VARIANTS = ("native", "flash", "float32", "bfloat16")
+PREFILL_VARIANTS = ("native", "flash", "float32", "bfloat16", "auto")
 
 
 def _prefill_setting(engine: LLMEngine, name: str) -> Callable[[], None]:
     """Sets the runner's prompt attention as `--prefill-attention name` would have (the
-    three fields it derives from that choice at start-up)."""
+    fields it derives from that choice at start-up); "auto": back to what they are now."""
     runner = engine.runner
+    started = (
+        runner.prefill_in_place,
+        runner.prefill_kernels,
+        runner.prefill_dtype,
+        runner.prompt_kernel_min_work,
+    )
 
     def setup() -> None:
+        if name == "auto":
+            (
+                runner.prefill_in_place,
+                runner.prefill_kernels,
+                runner.prefill_dtype,
+                runner.prompt_kernel_min_work,
+            ) = started
+            return
         runner.prefill_in_place = name == "native"
         runner.prefill_kernels = runner.native if name == "flash" else None
         runner.prefill_dtype = torch.bfloat16 if name == "bfloat16" else None
+        runner.prompt_kernel_min_work = 0
 
     return setup
 
@@ -807,7 +822,7 @@ def compare_prefill(
     opening per step, prefilled untimed just before). Median ms per step and its ratio to
     the first variant's."""
     runner = engine.runner
-    saved = (runner.prefill_in_place, runner.prefill_kernels, runner.prefill_dtype)
+    restore = _prefill_setting(engine, "auto")
     bs = engine.info.block_size
     vocab = engine.info.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -848,7 +863,7 @@ def compare_prefill(
                     for i in range(prompts):
                         new = torch.randint(100, vocab, (tokens,), generator=g).tolist()
                         engine.add_request(f"cmp-{step}-{name}-{i}", opening + new, params)
-                    _prefill_setting(engine, name)()
+                    (restore if name == "auto" else _prefill_setting(engine, name))()
                     t0 = time.perf_counter()
                     engine.step()
                     wall = (time.perf_counter() - t0) * 1000
@@ -873,7 +888,7 @@ def compare_prefill(
             )
     finally:
         engine.abort(list(engine.scheduler.requests))
-        runner.prefill_in_place, runner.prefill_kernels, runner.prefill_dtype = saved
+        restore()
     return (
         f"Prompt steps by prefill attention, medians of {rounds} alternating steps each:\n\n"
         + "\n".join(lines)

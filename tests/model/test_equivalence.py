@@ -270,3 +270,52 @@ def test_a_model_in_half_precision_throughout_runs_the_engine(tiny_model_dir, dt
     assert all(len(h.token_ids) == 12 for h in half)
     agree = sum(h.token_ids[0] == f.token_ids[0] for h, f in zip(half, full, strict=True))
     assert agree >= len(full) - 1
+
+
+def test_auto_prompt_kernel_takes_long_chunks_and_leaves_short_ones_in_place(
+    tiny_model_dir,
+) -> None:
+    """Where auto's prompt kernel takes only chunks of enough attention work
+    (`prompt_kernel_min_work`), the shorter chunks' rows join the decode kernel's, laid
+    out first whatever the scheduler's order; the step's logits stay transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.model_runner import prompt_kernel_work
+
+    path = tiny_model_dir("smollm2")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    cfg = EngineConfig(
+        model=str(path),
+        block_size=BS,
+        num_kv_blocks=64,
+        dtype="bfloat16",
+        prefill_attention="flash",
+    )
+    runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
+    assert runner.prompt_kernel_min_work == 0  # asked for: every chunk through the kernel
+    g = torch.Generator().manual_seed(5)
+    long_toks = torch.randint(0, 49152, (40,), generator=g).tolist()
+    short_toks = torch.randint(0, 49152, (6,), generator=g).tolist()
+    decode_toks = torch.randint(0, 49152, (9,), generator=g).tolist()
+    warm = runner.all_logits([_sched("d", decode_toks, 0, 8, [30, 31])])  # d's first 8
+    runner.prefill_in_place = True
+    runner.prompt_kernel_min_work = prompt_kernel_work(20, 0)  # between the two chunks
+    assert prompt_kernel_work(6, 0) < runner.prompt_kernel_min_work <= prompt_kernel_work(40, 0)
+    step = [
+        _sched("long", long_toks, 0, 40, list(range(10))),
+        _sched("d", decode_toks, 8, 1, [30, 31, 32]),
+        _sched("short", short_toks, 0, 6, [20, 21]),
+    ]
+    inp = runner._prepare(step)
+    assert [s.request_id for s in inp.order] == ["d", "short", "long"]
+    assert [(p.start, p.end) for p in inp.meta.prefills] == [(7, 47)]  # long alone
+    assert inp.meta.in_place is not None
+    out = runner.all_logits(step)
+    for rid, toks, got in (
+        ("long", long_toks, out["long"]),
+        ("short", short_toks, out["short"]),
+        ("d", decode_toks, torch.cat([warm["d"], out["d"]])),
+    ):
+        want = _ref_logits(ref, toks)
+        assert got.shape == want.shape, rid
+        assert (got - want).abs().max() < 0.1 * want.abs().max(), rid

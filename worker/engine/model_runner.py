@@ -146,6 +146,21 @@ def cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return t.zero_()
 
 
+# Auto's prompt kernel over keys in pairs (worker.hardware.choose_prefill_attention) takes
+# a chunk where its attention has at least this many (query row, key) pairs; shorter
+# chunks join the decode kernel's rows. Prompt steps on an AMD EPYC Zen 4 (`python
+# ops/bench/step_profile.py --compare-prefill`, alternating), the kernel for every chunk
+# against the rows: 32 x 32 tokens 1.11x the time, 16 x 128 1.02x, 8 x 256 (32,896 pairs
+# a prompt) 0.98-1.00x, 2 x 1,024 0.88x, 1 x 2,048 0.80x: its calls, one a chunk and
+# layer, cost more than they save below a few hundred rows.
+PROMPT_KERNEL_MIN_WORK = 65_536
+
+
+def prompt_kernel_work(num_new_tokens: int, num_context: int) -> int:
+    """(query row, key) pairs a causal chunk's attention scores."""
+    return num_new_tokens * num_context + num_new_tokens * (num_new_tokens + 1) // 2
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel, dtype_reason: str = "as loaded"
@@ -225,8 +240,15 @@ class ModelRunner:
         )
         # None where SDPA takes q, k and v as they are (CUDA; float32 on CPU)
         self.prefill_dtype = DTYPES[prefill.dtype] if prefill.dtype == "bfloat16" else None
+        # auto's prompt kernel over keys in pairs takes the chunks of at least this much
+        # attention (`prompt_kernel_work`), the decode kernel's rows the shorter ones
+        # (PROMPT_KERNEL_MIN_WORK); 0: every chunk
+        auto_pairs = (
+            config.prefill_attention == "auto" and prefill.dtype == "flash" and prompt_pairs
+        )
+        self.prompt_kernel_min_work = PROMPT_KERNEL_MIN_WORK if auto_pairs else 0
         # prompt chunks' rows attended by the C kernel with the decode rows (`_in_place`)
-        self.prefill_in_place = prefill.dtype == "native"
+        self.prefill_in_place = prefill.dtype == "native" or auto_pairs
         # prompt chunks attended by the C prompt kernel, each through its block table
         self.prefill_kernels = self.native if prefill.dtype == "flash" else None
         # a block of bfloat16 keys as rows, or as pairs of dimensions (native.key_pairs)
@@ -459,11 +481,26 @@ class ModelRunner:
             row += s.num_new_tokens
         return out
 
+    def _joins_in_place(self, s: ScheduledRequest) -> bool:
+        """Whether a prompt chunk's rows are attended by the decode kernel with the decode
+        rows: where prefill attention is "native", or is auto's prompt kernel and the
+        chunk too short for it (`prompt_kernel_work`)."""
+        if not self.prefill_in_place:
+            return False
+        if self.prefill_kernels is None:
+            return True
+        return prompt_kernel_work(s.num_new_tokens, s.start) < self.prompt_kernel_min_work
+
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """Flatten the batch: single-token rows first (sorted by context), then chunks."""
         bs = self.block_size
         singles = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         chunks = [s for s in scheduled if s.num_new_tokens > 1]
+        # chunks joining the decode rows in place first: those rows are one run from row 0
+        joins = [self._joins_in_place(s) for s in chunks]
+        chunks = [s for s, j in zip(chunks, joins, strict=True) if j] + [
+            s for s, j in zip(chunks, joins, strict=True) if not j
+        ]
         order = singles + chunks
         n_single = len(singles)
 
@@ -482,7 +519,7 @@ class ModelRunner:
             slots.extend((blocks[p // bs] * bs + p % bs).tolist())
             row += n
             last_row.append(row - 1)
-            if self.prefill_in_place:  # the chunk's rows join the kernel's (`_in_place`)
+            if self._joins_in_place(s):  # the chunk's rows join the kernel's (`_in_place`)
                 continue
             if self.prefill_kernels is not None:  # the chunk and its context read in place
                 if not 0 <= blocks.min() <= blocks.max() < self.info.num_blocks:
@@ -506,7 +543,7 @@ class ModelRunner:
             # the C store writes where it is told: a slot past the cache is a bug upstream
             raise ValueError(f"cache slots {min(slots)}..{max(slots)} outside 0..{self._slots - 1}")
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-        in_place = self._in_place(singles + chunks if self.prefill_in_place else singles)
+        in_place = self._in_place(singles + [s for s in chunks if self._joins_in_place(s)])
         stack = self.layer_stack
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,

@@ -285,7 +285,7 @@ class NativeKernels:
                 "avx512_bf16: prefill_pairs_built)"
             )
         if failed:
-            raise MemoryError("prompt attention could not allocate its widened keys")
+            raise MemoryError("prompt attention could not allocate its scratch memory")
 
     @functools.cached_property
     def prefill_pairs_built(self) -> bool:

@@ -23,7 +23,8 @@
  *           dimensions of keys 2j and 2j + 1 a vector), then one vdpbf16ps a vector and
  *           16 dimensions with P's pair broadcast (tiles of 8 vectors x 32 dimensions).
  * Shapes: D a multiple of 32 up to 128, BS a multiple of 16, G <= 8; else 2 (the caller
- * takes another path). 3: not built for this CPU.
+ * takes another path). 1: a thread's scratch could not be allocated. 3: not built for
+ * this CPU.
  *
  * Threads: OpenMP over (KV head, tile) pairs, dynamically (a causal tile's work grows
  * with its position).
@@ -31,6 +32,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -129,18 +131,25 @@ static void interleave_values(const uint16_t *v_cache, const int32_t *table, con
     }
 }
 
+/* A thread's scratch for its tiles (~90 KB: on the heap, not an OpenMP thread's stack,
+ * which OMP_STACKSIZE may make small). */
+struct scratch {
+    uint16_t qb[MAX_R * MAX_D]; /* q * scale in bfloat16, vector r = t G + g */
+    float s[MAX_R * KC];        /* a chunk's scores, then their exponentials */
+    uint16_t p[MAX_R * KC];     /* the softmax's weights in bfloat16 */
+    uint16_t vp[KC * MAX_D];    /* the chunk's values in pairs of keys */
+    float o[MAX_R * MAX_D];     /* the running outputs */
+    float m[MAX_R], l[MAX_R], alpha[MAX_R];
+};
+
 /* One tile: rows t0 .. t0 + rows - 1 of the chunk, query heads h G .. h G + G - 1. */
 static void tile(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                  const int32_t *table, const int t0, const int rows, const int num_context,
                  const int H, const int KVH, const int D, const int BS, const int h, const int G,
-                 const float scale, float *out) {
+                 const float scale, float *out, struct scratch *w) {
     const int R = ((rows * G + TV - 1) / TV) * TV; /* vectors, padded to whole tiles */
-    uint16_t qb[MAX_R * MAX_D] __attribute__((aligned(64)));
-    float s[MAX_R * KC] __attribute__((aligned(64)));
-    uint16_t p[MAX_R * KC] __attribute__((aligned(64)));
-    uint16_t vp[KC * MAX_D] __attribute__((aligned(64)));
-    float o[MAX_R * MAX_D] __attribute__((aligned(64)));
-    float m[MAX_R], l[MAX_R], alpha[MAX_R];
+    uint16_t *qb = w->qb, *p = w->p, *vp = w->vp;
+    float *s = w->s, *o = w->o, *m = w->m, *l = w->l, *alpha = w->alpha;
     /* vector r = t G + g: row t0 + t, query head h G + g */
     for (int r = 0; r < R; r++) {
         const int t = r / G, g = r % G;
@@ -219,15 +228,26 @@ int kvflow_prefill_attention_bf16p(const float *q, const void *k_cache, const vo
     const int G = KVH > 0 ? H / KVH : 0;
     if (G < 1 || G > MAX_G || G * KVH != H || D % 32 || D > MAX_D || BS % 16) return 2;
     const int tiles = (T + QT - 1) / QT;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int task = 0; task < KVH * tiles; task++) {
-        /* the last tiles (the most keys) first */
-        const int t = tiles - 1 - task / KVH, h = task % KVH;
-        const int rows = T - t * QT < QT ? T - t * QT : QT;
-        tile(q, k_cache, v_cache, block_table, t * QT, rows, num_context, H, KVH, D, BS, h, G,
-             scale, out);
+    int failed = 0;
+#pragma omp parallel
+    {
+        struct scratch *w = aligned_alloc(64, (sizeof(struct scratch) + 63) / 64 * 64);
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < KVH * tiles; task++) {
+            /* the last tiles (the most keys) first */
+            const int t = tiles - 1 - task / KVH, h = task % KVH;
+            const int rows = T - t * QT < QT ? T - t * QT : QT;
+            if (w != NULL)
+                tile(q, k_cache, v_cache, block_table, t * QT, rows, num_context, H, KVH, D, BS,
+                     h, G, scale, out, w);
+        }
+        free(w);
     }
-    return 0;
+    return failed;
 }
 
 int kvflow_prefill_pairs_built(void) { return 1; }
