@@ -357,7 +357,9 @@ def profile_prompt(engine: LLMEngine, prompts: int, tokens: int, steps: int = 5)
             f"{prompts} prompts of {tokens} tokens exceed the token budget of a step "
             f"({engine.config.max_num_batched_tokens})"
         )
-    g = torch.Generator().manual_seed(rows)
+    # seeded by the shape, not the row count: 1 x 2048 and 8 x 256 drawing the same tokens
+    # would find the first prompt in the prefix cache
+    g = torch.Generator().manual_seed(prompts * 100_003 + tokens)
     vocab = engine.info.vocab_size
     layers = _linear_layers(engine, rows, head_rows=prompts)
     walls: list[float] = []
