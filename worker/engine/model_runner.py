@@ -149,10 +149,11 @@ def cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 # Auto's prompt kernel over keys in pairs (worker.hardware.choose_prefill_attention) takes
 # a chunk where its attention has at least this many (query row, key) pairs; shorter
 # chunks join the decode kernel's rows. Prompt steps on an AMD EPYC Zen 4 (`python
-# ops/bench/step_profile.py --compare-prefill`, alternating), the kernel for every chunk
-# against the rows: 32 x 32 tokens 1.11x the time, 16 x 128 1.02x, 8 x 256 (32,896 pairs
-# a prompt) 0.98-1.00x, 2 x 1,024 0.88x, 1 x 2,048 0.80x: its calls, one a chunk and
-# layer, cost more than they save below a few hundred rows.
+# ops/bench/step_profile.py --compare-prefill`, alternating, two runs), the kernel for
+# every chunk against the rows: 32 x 32 tokens (528 pairs a prompt) 1.08-1.09x the time,
+# 16 x 128 (8,256) 1.05-1.06x, 8 x 256 (32,896) 0.99-1.01x, 4 x 256 behind 128 cached
+# (65,664) 0.97x, 2 x 1,024 0.88-0.89x, 1 x 2,048 0.79-0.80x: its calls, one a chunk and
+# layer, cost about what they save below a few hundred rows.
 PROMPT_KERNEL_MIN_WORK = 65_536
 
 

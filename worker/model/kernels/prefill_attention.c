@@ -24,9 +24,9 @@
  *   q            [T, H, D] float32      out [T, H, D] float32
  *   k_cache      [NB, KVH, BS, D]       v_cache likewise: float32 or bfloat16
  *   block_table  [>= cdiv(num_context + T, BS)] int32 (the sequence's blocks in order)
- * Returns 0; 1 where the widened keys could not be allocated; 2 where the shapes are
- * outside what the tiles hold (G > MAX_G, D not a multiple of 8 or above MAX_D, BS above
- * KC or not dividing it): the caller then takes another path.
+ * Returns 0; 1 where the widened keys or a thread's scratch could not be allocated; 2
+ * where the shapes are outside what the tiles hold (G > MAX_G, D not a multiple of 8 or
+ * above MAX_D, BS above KC or not dividing it): the caller then takes another path.
  *
  * Threads: OpenMP over (KV head, tile) pairs, dynamically (a causal tile's work grows
  * with its position).
@@ -95,6 +95,13 @@ static void widen_head(const void *k_cache, const void *v_cache, const int bf16,
     for (int j = keys; j < ldk; j++)
         for (int d = 0; d < D; d++) kt[((size_t)(j / KC) * D + d) * KC + j % KC] = 0.0f;
 }
+
+/* A thread's scratch for its tiles. */
+struct tile_scratch {
+    float qt[MAX_R * MAX_D], o[MAX_R * MAX_D], s[MAX_R * KC];
+    float m[MAX_R], l[MAX_R], alpha[MAX_R];
+    int last[MAX_R]; /* the last key position each vector sees */
+};
 
 /* S[r][j] = Q[r] . K[j] for r < R (a multiple of SR), j < nk rounded up to SK (SK512
  * with AVX-512; KC a multiple of it, and keys past `keys` zeroed to a whole chunk); kt a
@@ -255,18 +262,25 @@ static int prefill(const float *q, const void *k_cache, const void *v_cache, con
     if (kt_all == NULL) return 1;
     float *vf_all = kt_all + (size_t)KVH * D * ldk;
     const int tiles = (T + QT - 1) / QT;
+    int failed = 0;
 #pragma omp parallel
     {
+        /* a thread's tile scratch, ~80 KB at the largest: on the heap, not the OpenMP
+         * thread's stack (which OMP_STACKSIZE may make smaller than that) */
+        struct tile_scratch *w = malloc(sizeof *w);
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int h = 0; h < KVH; h++)
             widen_head(k_cache, v_cache, bf16, table, keys, h, KVH, BS, D, ldk,
                        kt_all + (size_t)h * D * ldk, vf_all + (size_t)h * ldk * D);
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < KVH * tiles; item++) {
-            /* per tile, in this thread's stack: ~80 KB at the largest */
-            float qt[MAX_R * MAX_D], o[MAX_R * MAX_D], s[MAX_R * KC];
-            float m[MAX_R], l[MAX_R], alpha[MAX_R];
-            int last[MAX_R]; /* the last key position each vector sees */
+            if (w == NULL) continue;
+            float *qt = w->qt, *o = w->o, *s = w->s, *m = w->m, *l = w->l, *alpha = w->alpha;
+            int *last = w->last;
             /* the last tiles (the longest, causal) first: dynamic scheduling then evens
              * the threads' ends */
             const int tile = tiles - 1 - item / KVH, h = item % KVH, r0 = tile * QT;
@@ -325,9 +339,10 @@ static int prefill(const float *q, const void *k_cache, const void *v_cache, con
                 for (int d = 0; d < D; d++) dst[d] = o[(size_t)v * D + d] * inv;
             }
         }
+        free(w);
     }
     free(kt_all);
-    return 0;
+    return failed;
 }
 
 int kvflow_prefill_attention_f32(const float *q, const float *k_cache, const float *v_cache,

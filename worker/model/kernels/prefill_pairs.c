@@ -195,7 +195,9 @@ static void tile(const float *q, const uint16_t *k_cache, const uint16_t *v_cach
             __m512 top = _mm512_set1_ps(m[r]);
             for (int c = 0; c < KC / 16; c++) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + 16 * c));
             const float mx = _mm512_reduce_max_ps(top);
-            alpha[r] = expf(m[r] - mx);
+            /* a row's first chunk: nothing to rescale (and no underflow for expf's slow
+             * path to take) */
+            alpha[r] = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - mx);
             m[r] = mx;
             for (int j = 0; j < KC; j++) sr[j] = expf(sr[j] - mx);
             __m512 sums = _mm512_setzero_ps();
