@@ -446,7 +446,9 @@ def choose_prefill_attention(
         and "avx512_bf16" in cpu_flags
     ):
         return DtypeChoice(
-            "flash", "auto: avx512_bf16 without AMX, the C prompt kernel over keys in pairs"
+            "flash",
+            "auto: avx512_bf16 without AMX, the C prompt kernel over keys in pairs for long "
+            "chunks, the decode kernel's rows for short ones",
         )
     if in_place and kv_dtype == linear_dtype == "bfloat16" and "avx512_bf16" in cpu_flags:
         return DtypeChoice("native", "auto: avx512_bf16 without AMX, the C kernel in place")

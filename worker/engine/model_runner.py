@@ -493,7 +493,8 @@ class ModelRunner:
         return prompt_kernel_work(s.num_new_tokens, s.start) < self.prompt_kernel_min_work
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        """Flatten the batch: single-token rows first (sorted by context), then chunks."""
+        """Flatten the batch: single-token rows first (sorted by context), then chunks,
+        those whose rows join the decode kernel's first (`_joins_in_place`)."""
         bs = self.block_size
         singles = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         chunks = [s for s in scheduled if s.num_new_tokens > 1]
