@@ -128,13 +128,8 @@ def test_logits_match_reference(
         check(runner.all_logits([_sched("a", a, pos, 1, blocks_a)])["a"], ra[pos : pos + 1])
 
 
-@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native", "flash"])
-def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> None:
-    """bf16 linear layers, prefill attention on float32 or bfloat16 copies of q, k and v
-    or through the C decode or prompt kernel from the bfloat16 cache (a prompt in two
-    chunks: the second attends to the first through the cache; the prompt kernel writes
-    the bfloat16 output projection's input through a float32 copy), stay close to
-    transformers' bf16 model."""
+def _bf16_pair(tiny_model_dir, prefill_attention: str, num_kv_blocks: int):
+    """transformers' bf16 smollm2-shaped tiny model and a bf16 runner over the same weights."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("smollm2")
@@ -142,11 +137,26 @@ def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> 
     cfg = EngineConfig(
         model=str(path),
         block_size=BS,
-        num_kv_blocks=32,
+        num_kv_blocks=num_kv_blocks,
         dtype="bfloat16",
         prefill_attention=prefill_attention,
     )
-    runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
+    return ref, ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """bf16 keeps ~3 significant digits; both sides round differently in places."""
+    return got.shape == want.shape and bool((got - want).abs().max() < 0.1 * want.abs().max())
+
+
+@pytest.mark.parametrize("prefill_attention", ["float32", "bfloat16", "native", "flash"])
+def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> None:
+    """bf16 linear layers, prefill attention on float32 or bfloat16 copies of q, k and v
+    or through the C decode or prompt kernel from the bfloat16 cache (a prompt in two
+    chunks: the second attends to the first through the cache; the prompt kernel writes
+    the bfloat16 output projection's input through a float32 copy), stay close to
+    transformers' bf16 model."""
+    ref, runner = _bf16_pair(tiny_model_dir, prefill_attention, num_kv_blocks=32)
     assert runner.prefill_dtype == (torch.bfloat16 if prefill_attention == "bfloat16" else None)
     native = prefill_attention == "native"
     assert runner.prefill_in_place == native
@@ -170,9 +180,7 @@ def test_bfloat16_close_to_reference(tiny_model_dir, prefill_attention: str) -> 
         (torch.cat([first["x"], second["x"]]), _ref_logits(ref, toks)),
         (torch.cat([first["y"], second["y"]]), _ref_logits(ref, other)),
     ]:
-        # bf16 keeps ~3 significant digits; both sides round differently in places.
-        assert got.shape == want.shape
-        assert (got - want).abs().max() < 0.1 * want.abs().max()
+        assert _bf16_close(got, want)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
@@ -278,20 +286,9 @@ def test_auto_prompt_kernel_takes_long_chunks_and_leaves_short_ones_in_place(
     """Where auto's prompt kernel takes only chunks of enough attention work
     (`prompt_kernel_min_work`), the shorter chunks' rows join the decode kernel's, laid
     out first whatever the scheduler's order; the step's logits stay transformers'."""
-    from transformers import AutoModelForCausalLM
-
     from worker.engine.model_runner import prompt_kernel_work
 
-    path = tiny_model_dir("smollm2")
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    cfg = EngineConfig(
-        model=str(path),
-        block_size=BS,
-        num_kv_blocks=64,
-        dtype="bfloat16",
-        prefill_attention="flash",
-    )
-    runner = ModelRunner(cfg, load_model(str(path), dtype="bfloat16"))
+    ref, runner = _bf16_pair(tiny_model_dir, "flash", num_kv_blocks=64)
     assert runner.prompt_kernel_min_work == 0  # asked for: every chunk through the kernel
     g = torch.Generator().manual_seed(5)
     long_toks = torch.randint(0, 49152, (40,), generator=g).tolist()
@@ -316,6 +313,4 @@ def test_auto_prompt_kernel_takes_long_chunks_and_leaves_short_ones_in_place(
         ("short", short_toks, out["short"]),
         ("d", decode_toks, torch.cat([warm["d"], out["d"]])),
     ):
-        want = _ref_logits(ref, toks)
-        assert got.shape == want.shape, rid
-        assert (got - want).abs().max() < 0.1 * want.abs().max(), rid
+        assert _bf16_close(got, _ref_logits(ref, toks)), rid

@@ -51,23 +51,23 @@ def _reference(q, k_cache, v_cache, table, context: int, scale: float) -> torch.
 # mid-chunk; head dims that take the 64-value tiles (AVX-512 builds), the 32-value ones,
 # their 8-value tail, or several of them (80: 64 + 16, 96: 64 + 32); groups of 1 to 8
 # query heads per KV head.
-@pytest.mark.parametrize(
-    ("T", "context", "heads", "kv_heads", "dim", "bs"),
-    [
-        (1, 0, 9, 3, 64, 16),
-        (7, 0, 9, 3, 64, 16),
-        (9, 5, 9, 3, 64, 16),
-        (64, 0, 9, 3, 64, 16),
-        (65, 63, 9, 3, 64, 16),
-        (130, 100, 9, 3, 64, 16),
-        (17, 33, 4, 2, 16, 4),
-        (40, 3, 4, 4, 40, 8),
-        (23, 70, 8, 1, 128, 64),
-        (12, 0, 32, 8, 64, 32),
-        (11, 20, 10, 2, 80, 16),
-        (5, 40, 6, 3, 96, 16),
-    ],
-)
+CASES = [
+    (1, 0, 9, 3, 64, 16),
+    (7, 0, 9, 3, 64, 16),
+    (9, 5, 9, 3, 64, 16),
+    (64, 0, 9, 3, 64, 16),
+    (65, 63, 9, 3, 64, 16),
+    (130, 100, 9, 3, 64, 16),
+    (17, 33, 4, 2, 16, 4),
+    (40, 3, 4, 4, 40, 8),
+    (23, 70, 8, 1, 128, 64),
+    (12, 0, 32, 8, 64, 32),
+    (11, 20, 10, 2, 80, 16),
+    (5, 40, 6, 3, 96, 16),
+]
+
+
+@pytest.mark.parametrize(("T", "context", "heads", "kv_heads", "dim", "bs"), CASES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_prompt_kernel_equals_causal_sdpa(
     T: int,
@@ -105,24 +105,15 @@ def test_prompt_kernel_refuses_what_its_tiles_do_not_hold(kernels: NativeKernels
         kernels.prefill_attention(q, k_cache.half(), v_cache.half(), table, 20, q, 0.125)
 
 
-# Keys in pairs: rows around the tile of 8 and chunks of 64 keys, contexts that end
-# mid-block and mid-chunk, blocks of 16 to 64 keys (several runs of 16 a block), head dims
-# of one to four tiles of 32 values, groups of 1 to 8 query heads a KV head.
+# Keys in pairs: the rows' cases whose shapes the pairs' tiles take, and a long chunk,
+# a head dim of three tiles of 32 values with 5 query heads a KV head, and one of a single
+# tile: rows around the tile of 8 and chunks of 64 keys, contexts that end mid-block and
+# mid-chunk, blocks of 16 to 64 keys (several runs of 16 a block), 1 to 8 query heads a
+# KV head.
 @pytest.mark.parametrize(
     ("T", "context", "heads", "kv_heads", "dim", "bs"),
-    [
-        (1, 0, 9, 3, 64, 16),
-        (7, 0, 9, 3, 64, 16),
-        (9, 5, 9, 3, 64, 16),
-        (64, 0, 9, 3, 64, 16),
-        (65, 63, 9, 3, 64, 16),
-        (130, 100, 9, 3, 64, 16),
-        (300, 0, 9, 3, 64, 16),
-        (23, 70, 8, 1, 128, 64),
-        (12, 0, 32, 8, 64, 32),
-        (11, 20, 10, 2, 96, 16),
-        (33, 17, 4, 4, 32, 32),
-    ],
+    [c for c in CASES if prefill_kernel_fits(*c[2:], pairs=True)]
+    + [(300, 0, 9, 3, 64, 16), (11, 20, 10, 2, 96, 16), (33, 17, 4, 4, 32, 32)],
 )
 def test_prompt_kernel_over_keys_in_pairs_equals_causal_sdpa(
     T: int, context: int, heads: int, kv_heads: int, dim: int, bs: int, kernels: NativeKernels

@@ -499,10 +499,8 @@ class ModelRunner:
         singles = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         chunks = [s for s in scheduled if s.num_new_tokens > 1]
         # chunks joining the decode rows in place first: those rows are one run from row 0
-        joins = [self._joins_in_place(s) for s in chunks]
-        chunks = [s for s, j in zip(chunks, joins, strict=True) if j] + [
-            s for s, j in zip(chunks, joins, strict=True) if not j
-        ]
+        joining = [s for s in chunks if self._joins_in_place(s)]
+        chunks = joining + [s for s in chunks if not self._joins_in_place(s)]
         order = singles + chunks
         n_single = len(singles)
 
@@ -512,7 +510,7 @@ class ModelRunner:
         last_row: list[int] = list(range(n_single))
         prefills: list[PrefillChunk] = []
         row = n_single
-        for s in chunks:
+        for i, s in enumerate(chunks):
             n, start = s.num_new_tokens, s.start
             ids.extend(s.token_ids[start : start + n])
             p = np.arange(start, start + n)
@@ -521,7 +519,7 @@ class ModelRunner:
             slots.extend((blocks[p // bs] * bs + p % bs).tolist())
             row += n
             last_row.append(row - 1)
-            if self._joins_in_place(s):  # the chunk's rows join the kernel's (`_in_place`)
+            if i < len(joining):  # the chunk's rows join the kernel's (`_in_place`)
                 continue
             if self.prefill_kernels is not None:  # the chunk and its context read in place
                 if not 0 <= blocks.min() <= blocks.max() < self.info.num_blocks:
@@ -545,7 +543,7 @@ class ModelRunner:
             # the C store writes where it is told: a slot past the cache is a bug upstream
             raise ValueError(f"cache slots {min(slots)}..{max(slots)} outside 0..{self._slots - 1}")
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-        in_place = self._in_place(singles + [s for s in chunks if self._joins_in_place(s)])
+        in_place = self._in_place(singles + joining)
         stack = self.layer_stack
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
