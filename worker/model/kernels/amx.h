@@ -115,6 +115,19 @@ static inline void kvflow_emu_dpbf16ps(int c, int a, int b) {
 #define _tile_loadd(t, base, stride) kvflow_emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) kvflow_emu_stored(t, base, stride)
 #define _tile_dpbf16ps(c, a, b) kvflow_emu_dpbf16ps(c, a, b)
+#elif defined(__AMX_BF16__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+/* gcc's _tile_loadd (12 here) is an asm that names the address it reads from but not the
+ * memory there, so the compiler may drop or defer stores to a buffer that only a tile load
+ * reads: the decode kernel's score pass took q's tiles from a stack array never written
+ * and scored NaN on an Intel Xeon with AMX, where the emulation (plain C) was right. A
+ * compiler barrier before each load orders every store before it. */
+#undef _tile_loadd
+#define _tile_loadd(t, base, stride)                                                          \
+    do {                                                                                      \
+        __asm__ volatile("" ::: "memory");                                                    \
+        _tile_loadd_internal(t, base, stride);                                                \
+    } while (0)
 #endif
 
 #endif
