@@ -156,6 +156,7 @@ def _labelled(engine: LLMEngine, timers: PhaseTimers | None = None) -> Iterator[
         stack.c_stack = None
     wrap(engine.runner.model, "forward", "kv.forward")
     wrap(engine.runner.model, "compute_logits", "kv.linear")
+    wrap(engine.runner.model, "greedy_tokens", "kv.linear")  # a greedy step's, in its place
     wrap(engine.runner, "sampler", "kv.sampling")
     try:
         yield

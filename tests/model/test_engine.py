@@ -296,3 +296,32 @@ def test_small_steps_of_a_large_model_keep_every_thread(
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_greedy_steps_pick_without_the_logits_as_with_them(tiny_model_dir) -> None:
+    """A bfloat16 model with a narrow output projection: steps whose rows all pick
+    greedily take their tokens from the model's candidates (greedy_tokens), and give
+    the tokens the logits and the sampler give; a step with a sampled row beside them
+    takes the logits."""
+    loaded = load_model(str(tiny_model_dir("smollm2")), dtype="bfloat16")
+    loaded.model.narrow_output_projection(torch.bfloat16)  # as the loader does for 576+
+    ps, sps = prompts(10, seed=3), params(10, seed=3)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
+    outs: list[list[list[int]]] = []
+    taken: dict[bool, list[bool]] = {True: [], False: []}
+    for shortcut in (True, False):
+        eng = make_engine(loaded, dtype="bfloat16")
+        eng.runner.greedy_shortcut = shortcut
+        model = eng.runner.model
+        real = model.greedy_tokens
+
+        def counted(*a, real=real, calls=taken[shortcut], **kw):
+            got = real(*a, **kw)
+            calls.append(got is not None)
+            return got
+
+        model.greedy_tokens = counted  # type: ignore[method-assign]
+        outs.append([o.token_ids for o in eng.generate(ps + [ps[0]], sps + [sampled])])
+    assert outs[0] == outs[1]
+    assert taken[True] and all(taken[True]), "the greedy steps took the logits"
+    assert not taken[False]  # switched off, never asked

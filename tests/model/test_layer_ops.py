@@ -385,10 +385,14 @@ def test_widen_top_widens_and_picks_each_rows_best(
     assert torch.equal(picked, wide.topk(width, -1).values)  # the best values, in order
     # best first, equal values in column order: a stable descending sort's first `width`
     assert torch.equal(cols, wide.sort(dim=-1, descending=True, stable=True).indices[:, :width])
+    # the columns alone, without the widened rows: the same picks
+    assert torch.equal(ops.top_columns(x, width), cols)
     with pytest.raises(ValueError, match="a width of 1"):
         ops.widen_top(x, 0)
     with pytest.raises(ValueError, match="bfloat16 logits"):
         ops.widen_top(x.float(), width)
+    with pytest.raises(ValueError, match="a width of 1"):
+        ops.top_columns(x, vocab + 1)
 
 
 def test_argmax_rows_is_torch_argmax(ops: NativeKernels) -> None:

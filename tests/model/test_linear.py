@@ -80,6 +80,28 @@ def test_a_narrow_output_projection_keeps_the_winning_candidates_exact(
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
 
 
+@pytest.mark.parametrize("variant", ["smollm2", "llama3"])  # tied and untied output weights
+def test_greedy_tokens_are_the_argmax_of_the_logits(
+    tiny_model_dir: Callable[[str], Path], variant: str
+) -> None:
+    """With a bfloat16 narrow head on the C kernels, greedy_tokens picks what argmax over
+    compute_logits picks, row by row, without widening the logits; elsewhere (no kernels,
+    no narrow head) it says it has no shorter way."""
+    ops = load_native().kernels
+    assert ops is not None, "the C kernels build wherever these tests run"
+    model = load_model(str(tiny_model_dir(variant)), dtype="bfloat16").model
+    g = torch.Generator().manual_seed(23)
+    hidden = torch.randn(41, model.config.hidden_size, generator=g) * 2
+    with torch.inference_mode():
+        assert model.narrow_head is None and model.greedy_tokens(hidden, ops) is None
+        model.narrow_output_projection(torch.bfloat16)
+        assert model.greedy_tokens(hidden, None) is None
+        got = model.greedy_tokens(hidden, ops)
+        want = model.compute_logits(hidden, ops).argmax(-1)
+    assert got is not None and got.dtype == torch.int64
+    assert torch.equal(got, want)
+
+
 def test_a_float32_model_keeps_one_output_projection(tiny_model_dir: Callable[[str], Path]) -> None:
     model = load_model(str(tiny_model_dir("smollm2")), dtype="float32").model
     assert model.narrow_head is None

@@ -305,6 +305,48 @@ def test_top_candidates_are_the_topk(vocab: int) -> None:
         assert all(len(set(c.tolist())) == width for c in cols)  # no token twice
 
 
+def test_greedy_pick_is_the_argmax_of_the_rescored_rows() -> None:
+    """candidates.greedy_pick against torch.argmax over the widened rows with the exact
+    scores written over their candidates: rows decided by their candidates (ties among
+    them: the lowest column), and rows whose candidates all scored down to the k-th
+    narrow value or under, which must take their whole row (a column outside the
+    candidates, equal to the floor and before them, wins the tie there)."""
+    g = torch.Generator().manual_seed(31)
+    S, V, k = 12, 3000, 16
+    narrow = (torch.randn(S, V, generator=g) * 3).bfloat16()
+    cols = narrow.float().sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    exact = narrow.float().gather(1, cols) + torch.randn(S, k, generator=g) * 0.01
+    floor = narrow.float().gather(1, cols[:, -1:])  # [S, 1]
+    exact[1, 3] = exact[1, 7] = exact[1].max() + 1.0  # a tie among the candidates
+    exact[2] = floor[2] - 1.0  # all scored under the floor: another column wins
+    exact[3] = floor[3]  # at the floor: a column outside with the same value may come first
+    narrow[3, 0] = narrow[3, cols[3, -1]]
+    exact[4] = floor[4] - 0.5
+    exact[4, 5] = floor[4] + 0.5  # one still above the floor
+    want = narrow.float().scatter(1, cols, exact).argmax(-1)
+    got = candidates_module.greedy_pick(narrow, cols, exact)
+    assert torch.equal(got, want)
+    assert got[1] == min(cols[1, 3], cols[1, 7])
+    assert int(got[2]) not in cols[2].tolist()
+    assert got[3] == 0 and got[4] == cols[4, 5]
+
+
+def test_greedy_only_is_for_rows_whose_pick_is_the_argmax() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    assert Sampler.greedy_only([row(greedy), row(SamplingParams(temperature=1e-6))])
+    for other in (
+        row(SamplingParams(temperature=0.7)),
+        row(dataclasses.replace(greedy, logprobs=2)),
+        row(dataclasses.replace(greedy, repetition_penalty=1.2), prompt=[1]),
+        row(dataclasses.replace(greedy, min_tokens=2), stop_ids=(5,)),
+    ):
+        assert not Sampler.greedy_only([row(greedy), other])
+    # min_tokens reached: nothing banned any more
+    assert Sampler.greedy_only(
+        [row(dataclasses.replace(greedy, min_tokens=2), output_index=2, stop_ids=(5,))]
+    )
+
+
 # --- penalties and min_tokens ------------------------------------------------------------
 
 

@@ -306,6 +306,10 @@ class ModelRunner:
         if cpu:
             torch.set_num_threads(self._threads)
             allocator = keep_freed_memory()
+        # A step whose rows all pick greedily takes their tokens from the model without
+        # the whole logits where it can (LlamaForCausalLM.greedy_tokens); off, it takes
+        # the logits and the sampler as any other step (the tests compare the two).
+        self.greedy_shortcut = True
         # greedy picks by the C kernels' argmax where they are built (CPU)
         self.sampler = Sampler(
             self.device,
@@ -434,6 +438,10 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
         t1 = time.perf_counter()
+        if logits.dim() == 1:  # [S] the tokens themselves (_eager_step: greedy rows)
+            picked: list[int] = logits.tolist()
+            sampled = {s.request_id: t for s, t in zip(sampling, picked, strict=True)}
+            return ModelRunnerOutput(sampled, {}, t1 - t0, time.perf_counter() - t1)
         out = self.sampler(logits, [_sampling_row(s) for s in sampling])
         sampled = {s.request_id: t for s, t in zip(sampling, out.token_ids, strict=True)}
         logprobs = {
@@ -458,15 +466,18 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
         """A step op by op: logits [S, V] of the rows that sample (None where none does)
-        and those rows."""
+        and those rows; where every such row picks greedily and the model has a way to
+        pick without the whole logits (greedy_tokens), their tokens [S] instead."""
         inp = self._prepare(scheduled)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
         if not inp.sampling:
             return None, []
-        logits = self.model.compute_logits(
-            hidden.index_select(0, inp.logit_rows), inp.meta.layer_ops
-        )  # [S, V]
-        return logits, inp.sampling
+        rows = hidden.index_select(0, inp.logit_rows)  # [S, C]
+        if self.greedy_shortcut and Sampler.greedy_only([_sampling_row(s) for s in inp.sampling]):
+            tokens = self.model.greedy_tokens(rows, inp.meta.layer_ops)
+            if tokens is not None:
+                return tokens, inp.sampling
+        return self.model.compute_logits(rows, inp.meta.layer_ops), inp.sampling  # [S, V]
 
     @torch.inference_mode()
     def all_logits(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.attention import AttentionMetadata, paged_attention, store_kv
-from worker.model.candidates import top_candidates
+from worker.model.candidates import greedy_pick, top_candidates
 from worker.model.config import ModelConfig
 from worker.model.native import Int16Weight, NativeKernels
 from worker.model.quant import Int8Linear
@@ -431,11 +431,12 @@ class LlamaForCausalLM(nn.Module):
         if self.float_head is not None:
             return F.linear(h.float(), self.float_head)
         weight = self.output_weight
-        if self.narrow_head is None:
-            return F.linear(h.to(weight.dtype), weight).float()
         head = self.narrow_head
-        k = min(RESCORED, self.output_weight.shape[0])
-        if ops is not None and isinstance(head, Linear) and head.weight.dtype == torch.bfloat16:
+        if head is None:
+            return F.linear(h.to(weight.dtype), weight).float()
+        k = min(RESCORED, weight.shape[0])
+        if self._narrow_in_c(ops):
+            assert ops is not None and isinstance(head, Linear)
             # [S, V] bfloat16, widened and its candidates picked in one pass over each row
             # (kernels/logits.c) rather than three of torch's: with the sampler's argmax
             # in C too, batch-64 decode steps 0.94-0.96x the time, batch 32 0.97x, batch
@@ -447,8 +448,37 @@ class LlamaForCausalLM(nn.Module):
             # Block maxima first, then topk over the best blocks: ~4x torch's topk over
             # the whole row of a vocabulary this size on CPU.
             top = top_candidates(logits, k)[1]  # [S, k]
-        # [S, k, C] candidate rows (an embedding lookup: half aten::index's time) @ [S, C,
-        # 1] -> [S, k] exact scores
-        exact = torch.bmm(F.embedding(top, weight), h.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
-        out: torch.Tensor = logits.scatter_(1, top, exact.float())
+        out: torch.Tensor = logits.scatter_(1, top, self._rescored(h, top))
         return out
+
+    def greedy_tokens(
+        self, hidden: torch.Tensor, ops: NativeKernels | None = None
+    ) -> torch.Tensor | None:
+        """[S, C] hidden states of the positions that sample -> [S] int64, the argmax of
+        each row of compute_logits(hidden, ops), for a step whose rows all pick greedily;
+        None where this model has no shorter way (the caller takes the logits). With a
+        bfloat16 narrow head on the C kernels the logits are never widened: only each
+        row's candidates are found and scored again (logits.c, candidates.greedy_pick),
+        where compute_logits writes [S, V] float32 that the sampler's argmax reads back
+        (12.6 MB each way at 64 rows of a 49,152-token vocabulary)."""
+        head = self.narrow_head
+        if self.float_head is not None or not self._narrow_in_c(ops):
+            return None
+        assert ops is not None and isinstance(head, Linear)
+        h = self.norm(hidden)
+        narrow = head.forward_narrow(h, ops)  # [S, V] bfloat16
+        top = ops.top_columns(narrow, min(RESCORED, self.output_weight.shape[0]))  # [S, k]
+        return greedy_pick(narrow, top, self._rescored(h, top))
+
+    def _narrow_in_c(self, ops: NativeKernels | None) -> bool:
+        """Whether the narrow head's logits and candidates take the C kernels."""
+        head = self.narrow_head
+        return ops is not None and isinstance(head, Linear) and head.weight.dtype == torch.bfloat16
+
+    def _rescored(self, h: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """The candidates top [S, k] of the normed rows h [S, C] scored again in the output
+        projection's own dtype -> [S, k] float32: [S, k, C] candidate rows (an embedding
+        lookup: half aten::index's time) @ [S, C, 1]."""
+        weight = self.output_weight
+        exact = torch.bmm(F.embedding(top, weight), h.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+        return exact.float()

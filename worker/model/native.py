@@ -297,6 +297,16 @@ class NativeKernels:
         """Bfloat16 logits x [S, V] -> (their float32 values [S, V], the columns [S, width]
         int64 of each row's `width` largest, best first), in one pass over each row
         (kernels/logits.c)."""
+        out = torch.empty(x.shape, dtype=torch.float32)
+        return out, self._top(x, width, out)
+
+    def top_columns(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """The columns [S, width] int64 of the `width` largest of each row of bfloat16
+        logits x [S, V], best first (equal values: the lower column first), as `widen_top`
+        picks them, without widening the rows."""
+        return self._top(x, width, None)
+
+    def _top(self, x: torch.Tensor, width: int, out: torch.Tensor | None) -> torch.Tensor:
         _expect(
             x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous() and not x.is_cuda,
             "contiguous [S, V] bfloat16 logits on the CPU",
@@ -304,11 +314,11 @@ class NativeKernels:
         )
         S, V = x.shape
         _expect(1 <= width <= min(V, WIDTH_MAX), f"a width of 1 .. {min(V, WIDTH_MAX)}", width)
-        out = torch.empty(S, V, dtype=torch.float32)
         cols = torch.empty(S, width, dtype=torch.int64)
-        if self.lib.kvflow_widen_top(x.data_ptr(), out.data_ptr(), S, V, width, cols.data_ptr()):
+        into = None if out is None else out.data_ptr()
+        if self.lib.kvflow_widen_top(x.data_ptr(), into, S, V, width, cols.data_ptr()):
             raise RuntimeError(f"the C library refused {width} candidates a row (its WIDTH_MAX)")
-        return out, cols
+        return cols
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) of float32 rows x [S, V], contiguous: [S] int64

@@ -62,6 +62,19 @@ class Sampler:
         self._generator.manual_seed(seed)
         self._row_argmax = row_argmax
 
+    @staticmethod
+    def greedy_only(rows: Sequence[SamplingRow]) -> bool:
+        """Whether every row's token is the plain argmax of its logits: greedy, without
+        penalties, banned tokens or logprobs (then the caller may pick the tokens without
+        the logits: LlamaForCausalLM.greedy_tokens)."""
+        return all(
+            r.params.temperature < _MIN_TEMPERATURE
+            and r.params.logprobs is None
+            and not r.params.needs_penalties
+            and not (r.output_index < r.params.min_tokens and r.min_tokens_stop_ids)
+            for r in rows
+        )
+
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) of x [R, V]."""
         if (

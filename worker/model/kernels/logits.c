@@ -3,7 +3,8 @@
  *   kvflow_widen_top   x [S, V] bfloat16 -> out [S, V] float32 (each value widened: exact),
  *                      and cols [S, width] int64: the columns of each row's `width` largest
  *                      values, best first (equal values: the lower column first; NaN is
- *                      never picked, where torch's topk would rank it first)
+ *                      never picked, where torch's topk would rank it first); with out
+ *                      NULL the columns alone (a greedy step that needs no whole row)
  *   kvflow_argmax_rows x [S, V] float32 -> out [S] int64, torch.argmax's columns
  *
  * One pass over a row both widens it and takes the maxima of its blocks of BLOCK values;
@@ -47,17 +48,22 @@ int kvflow_widen_top(const uint16_t *x, float *out, int S, int V, int width, int
 #pragma omp parallel for schedule(static)
     for (int s = 0; s < S; s++) {
         const uint16_t *xr = x + (size_t)s * V;
-        float *o = out + (size_t)s * V;
+        float *o = out == NULL ? NULL : out + (size_t)s * V;
         float top_v[WIDTH_MAX];
         int64_t top_b[WIDTH_MAX];
         int nt = 0;
         for (int b = 0; b < nb; b++) {
             const int lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
             float mx = -FLT_MAX;
+            if (o != NULL) {
 #pragma omp simd reduction(max : mx)
-            for (int i = lo; i < hi; i++) {
-                o[i] = from_bf16(xr[i]);
-                mx = o[i] > mx ? o[i] : mx;
+                for (int i = lo; i < hi; i++) {
+                    o[i] = from_bf16(xr[i]);
+                    mx = o[i] > mx ? o[i] : mx;
+                }
+            } else {
+#pragma omp simd reduction(max : mx)
+                for (int i = lo; i < hi; i++) mx = from_bf16(xr[i]) > mx ? from_bf16(xr[i]) : mx;
             }
             keep_best(top_v, top_b, &nt, width, mx, b);
         }
@@ -66,7 +72,7 @@ int kvflow_widen_top(const uint16_t *x, float *out, int S, int V, int width, int
         int nbest = 0;
         for (int j = 0; j < nt; j++) {
             const int lo = (int)top_b[j] * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
-            for (int i = lo; i < hi; i++) keep_best(best_v, best_c, &nbest, width, o[i], i);
+            for (int i = lo; i < hi; i++) keep_best(best_v, best_c, &nbest, width, from_bf16(xr[i]), i);
         }
     }
     return 0;
