@@ -395,6 +395,24 @@ def test_widen_top_widens_and_picks_each_rows_best(
         ops.top_columns(x, vocab + 1)
 
 
+def test_greedy_picks_from_the_c_candidates_are_the_argmax(ops: NativeKernels) -> None:
+    """top_columns' candidates of bfloat16 rows full of ties, scored again with small
+    errors (some down to the floor, some under it), then greedy_pick: torch's argmax of
+    the widened rows with the scores written over the candidates, row by row, the rows
+    that must be widened whole included."""
+    from worker.model.candidates import greedy_pick
+
+    g = torch.Generator().manual_seed(44)
+    for vocab, width in ((300, 16), (5000, 16), (40, 16), (12, 16)):
+        narrow = (torch.randn(64, vocab, generator=g) * 4).round().bfloat16()  # many ties
+        cols = ops.top_columns(narrow, min(width, vocab))
+        exact = narrow.float().gather(1, cols)
+        exact += torch.randint(-2, 2, exact.shape, generator=g) * 0.5
+        got = greedy_pick(narrow, cols, exact)
+        want = narrow.float().scatter(1, cols, exact).argmax(-1)
+        assert torch.equal(got, want), vocab
+
+
 def test_argmax_rows_is_torch_argmax(ops: NativeKernels) -> None:
     """The first column of each row's largest value, ties (bfloat16 values) and rows of
     -inf with one finite value included, as torch.argmax gives it."""

@@ -86,19 +86,21 @@ def test_greedy_tokens_are_the_argmax_of_the_logits(
 ) -> None:
     """With a bfloat16 narrow head on the C kernels, greedy_tokens picks what argmax over
     compute_logits picks, row by row, without widening the logits; elsewhere (no kernels,
-    no narrow head) it says it has no shorter way."""
+    no narrow head) the model says it cannot, and refuses."""
     ops = load_native().kernels
     assert ops is not None, "the C kernels build wherever these tests run"
     model = load_model(str(tiny_model_dir(variant)), dtype="bfloat16").model
     g = torch.Generator().manual_seed(23)
     hidden = torch.randn(41, model.config.hidden_size, generator=g) * 2
     with torch.inference_mode():
-        assert model.narrow_head is None and model.greedy_tokens(hidden, ops) is None
+        assert model.narrow_head is None and not model.picks_greedily(ops)
+        with pytest.raises(ValueError, match="narrow output projection"):
+            model.greedy_tokens(hidden, ops)
         model.narrow_output_projection(torch.bfloat16)
-        assert model.greedy_tokens(hidden, None) is None
+        assert model.picks_greedily(ops) and not model.picks_greedily(None)
         got = model.greedy_tokens(hidden, ops)
         want = model.compute_logits(hidden, ops).argmax(-1)
-    assert got is not None and got.dtype == torch.int64
+    assert got.dtype == torch.int64
     assert torch.equal(got, want)
 
 

@@ -323,28 +323,43 @@ def test_greedy_pick_is_the_argmax_of_the_rescored_rows() -> None:
     narrow[3, 0] = narrow[3, cols[3, -1]]
     exact[4] = floor[4] - 0.5
     exact[4, 5] = floor[4] + 0.5  # one still above the floor
+    exact[5, 2] = math.nan  # a NaN among the candidates: torch's argmax of the whole row
     want = narrow.float().scatter(1, cols, exact).argmax(-1)
     got = candidates_module.greedy_pick(narrow, cols, exact)
     assert torch.equal(got, want)
     assert got[1] == min(cols[1, 3], cols[1, 7])
     assert int(got[2]) not in cols[2].tolist()
-    assert got[3] == 0 and got[4] == cols[4, 5]
+    assert got[3] == 0 and got[4] == cols[4, 5] and got[5] == cols[5, 2]
+    # the candidates in any order: the floor is the lowest of them
+    shuffled = torch.randperm(k, generator=g)
+    assert torch.equal(
+        candidates_module.greedy_pick(narrow, cols[:, shuffled], exact[:, shuffled]), want
+    )
 
 
 def test_greedy_only_is_for_rows_whose_pick_is_the_argmax() -> None:
+    """Greedy rows, whatever their seed or filters, pick the argmax; penalties, logprobs
+    and min_tokens still to reach (bans) change the logits or need them."""
     greedy = SamplingParams(temperature=0.0)
-    assert Sampler.greedy_only([row(greedy), row(SamplingParams(temperature=1e-6))])
-    for other in (
-        row(SamplingParams(temperature=0.7)),
-        row(dataclasses.replace(greedy, logprobs=2)),
-        row(dataclasses.replace(greedy, repetition_penalty=1.2), prompt=[1]),
-        row(dataclasses.replace(greedy, min_tokens=2), stop_ids=(5,)),
+    for same in (
+        greedy,
+        SamplingParams(temperature=1e-6),
+        dataclasses.replace(greedy, seed=1, top_k=5, top_p=0.5, min_p=0.1),
     ):
-        assert not Sampler.greedy_only([row(greedy), other])
-    # min_tokens reached: nothing banned any more
-    assert Sampler.greedy_only(
-        [row(dataclasses.replace(greedy, min_tokens=2), output_index=2, stop_ids=(5,))]
-    )
+        assert sampler_module.greedy_only(same, 0)
+        assert sample(randn(2, 50, seed=4), [row(same)] * 2).token_ids == (
+            randn(2, 50, seed=4).argmax(-1).tolist()
+        )
+    for other in (
+        SamplingParams(temperature=0.7),
+        dataclasses.replace(greedy, logprobs=0),
+        dataclasses.replace(greedy, repetition_penalty=1.2),
+        dataclasses.replace(greedy, frequency_penalty=0.5),
+        dataclasses.replace(greedy, presence_penalty=0.5),
+        dataclasses.replace(greedy, min_tokens=2),
+    ):
+        assert not sampler_module.greedy_only(other, 0)
+    assert sampler_module.greedy_only(dataclasses.replace(greedy, min_tokens=2), 2)  # reached
 
 
 # --- penalties and min_tokens ------------------------------------------------------------

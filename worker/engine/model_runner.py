@@ -55,7 +55,7 @@ from worker.model.packing import (
     pack_linear_layers,
 )
 from worker.model.quant import Int8Linear
-from worker.model.sampler import Sampler, SamplingRow
+from worker.model.sampler import Sampler, SamplingRow, greedy_only
 
 # Decode groups: sequences sorted by context length are padded together; a group is
 # split when padding would exceed this fraction of the useful work.
@@ -432,16 +432,21 @@ class ModelRunner:
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         step = self._graph_step(sched.scheduled)
-        logits, sampling = step if step is not None else self._eager_step(sched.scheduled)
+        logits: torch.Tensor | None
+        if step is not None:
+            (logits, sampling), picked = step, None
+        else:
+            logits, picked, sampling = self._eager_pick(sched.scheduled)
         if self.device.type == "cuda":  # the forward's time, not its launches'
             torch.cuda.synchronize(self.device)
-        if logits is None:
+        if not sampling:
             return ModelRunnerOutput({}, {}, time.perf_counter() - t0, 0.0)
         t1 = time.perf_counter()
-        if logits.dim() == 1:  # [S] the tokens themselves (_eager_step: greedy rows)
-            picked: list[int] = logits.tolist()
-            sampled = {s.request_id: t for s, t in zip(sampling, picked, strict=True)}
+        if picked is not None:  # greedy rows' tokens, taken without the logits
+            ids: list[int] = picked.tolist()
+            sampled = {s.request_id: t for s, t in zip(sampling, ids, strict=True)}
             return ModelRunnerOutput(sampled, {}, t1 - t0, time.perf_counter() - t1)
+        assert logits is not None
         out = self.sampler(logits, [_sampling_row(s) for s in sampling])
         sampled = {s.request_id: t for s, t in zip(sampling, out.token_ids, strict=True)}
         logprobs = {
@@ -466,18 +471,37 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
         """A step op by op: logits [S, V] of the rows that sample (None where none does)
-        and those rows; where every such row picks greedily and the model has a way to
-        pick without the whole logits (greedy_tokens), their tokens [S] instead."""
+        and those rows."""
+        hidden, ops, sampling = self._eager_forward(scheduled)
+        return (None if hidden is None else self.model.compute_logits(hidden, ops)), sampling
+
+    def _eager_pick(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[ScheduledRequest]]:
+        """_eager_step, or, where every row that samples picks greedily and the model can
+        pick without the whole logits (greedy_tokens), their tokens [S] in the logits'
+        place: (logits, tokens, rows), one of the two None (both where no row samples)."""
+        hidden, ops, sampling = self._eager_forward(scheduled)
+        if hidden is None:
+            return None, None, []
+        if (
+            self.greedy_shortcut
+            and self.model.picks_greedily(ops)
+            and all(greedy_only(s.sampling_params, _output_index(s)) for s in sampling)
+        ):
+            return None, self.model.greedy_tokens(hidden, ops), sampling
+        return self.model.compute_logits(hidden, ops), None, sampling
+
+    def _eager_forward(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor | None, NativeKernels | None, list[ScheduledRequest]]:
+        """The forward pass op by op: the final hidden states [S, C] of the rows that
+        sample (None where none does), the step's C layer ops, and those rows."""
         inp = self._prepare(scheduled)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, C]
         if not inp.sampling:
-            return None, []
-        rows = hidden.index_select(0, inp.logit_rows)  # [S, C]
-        if self.greedy_shortcut and Sampler.greedy_only([_sampling_row(s) for s in inp.sampling]):
-            tokens = self.model.greedy_tokens(rows, inp.meta.layer_ops)
-            if tokens is not None:
-                return tokens, inp.sampling
-        return self.model.compute_logits(rows, inp.meta.layer_ops), inp.sampling  # [S, V]
+            return None, inp.meta.layer_ops, []
+        return hidden.index_select(0, inp.logit_rows), inp.meta.layer_ops, inp.sampling
 
     @torch.inference_mode()
     def all_logits(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
@@ -679,9 +703,14 @@ class ModelRunner:
         return torch.from_numpy(rows.reshape(-1)).to(self.device)
 
 
+def _output_index(s: ScheduledRequest) -> int:
+    """Tokens the request has generated so far (0 for its first)."""
+    return len(s.token_ids) - s.num_prompt_tokens
+
+
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:
     p = s.sampling_params
-    out_index = len(s.token_ids) - s.num_prompt_tokens
+    out_index = _output_index(s)
     if p.needs_penalties:
         prompt, output = s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :]
     else:

@@ -108,18 +108,20 @@ def block_max(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def greedy_pick(narrow: torch.Tensor, cols: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """torch.argmax of each row of narrow [S, V] widened to float32 with exact [S, k]
-    written over its columns cols [S, k] (a narrow output projection's logits with its
-    best k candidates, best first, scored again), without widening the rows where it can.
+    written over its columns cols [S, k] (a narrow output projection's logits with its k
+    best candidates, distinct columns, scored again), without widening the rows where it
+    can.
 
-    No column outside a row's candidates is above the k-th candidate's narrow value, so a
+    No column outside a row's candidates is above the lowest of their narrow values, so a
     row whose best exact score is above that floor takes its best candidate (the lowest
     column among equal scores, as argmax would); any other row (its candidates all scored
-    down to the floor or under) takes the argmax of its whole widened row."""
-    floor = narrow.gather(1, cols[:, -1:]).float()  # [S, 1]
-    best = exact.max(dim=1, keepdim=True).values  # [S, 1]
+    down to the floor or under, or a NaN among them) takes the argmax of its whole
+    widened row."""
+    floor = narrow.gather(1, cols).amin(dim=1, keepdim=True).float()  # [S, 1]
+    best = exact.max(dim=1, keepdim=True).values  # [S, 1], NaN where one is
     # [S, k] the columns holding the best score; the lowest of them
     at = torch.where(exact == best, cols, narrow.shape[1]).min(dim=1).values  # [S]
-    doubtful = (best <= floor)[:, 0].nonzero()[:, 0].tolist()
+    doubtful = (~(best > floor))[:, 0].nonzero()[:, 0].tolist()
     for s in doubtful:
         row = narrow[s].float().scatter_(0, cols[s], exact[s])
         at[s] = row.argmax()

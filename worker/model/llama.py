@@ -451,24 +451,29 @@ class LlamaForCausalLM(nn.Module):
         out: torch.Tensor = logits.scatter_(1, top, self._rescored(h, top))
         return out
 
-    def greedy_tokens(
-        self, hidden: torch.Tensor, ops: NativeKernels | None = None
-    ) -> torch.Tensor | None:
+    def greedy_tokens(self, hidden: torch.Tensor, ops: NativeKernels | None) -> torch.Tensor:
         """[S, C] hidden states of the positions that sample -> [S] int64, the argmax of
-        each row of compute_logits(hidden, ops), for a step whose rows all pick greedily;
-        None where this model has no shorter way (the caller takes the logits). With a
-        bfloat16 narrow head on the C kernels the logits are never widened: only each
-        row's candidates are found and scored again (logits.c, candidates.greedy_pick),
-        where compute_logits writes [S, V] float32 that the sampler's argmax reads back
-        (12.6 MB each way at 64 rows of a 49,152-token vocabulary)."""
+        each row of compute_logits(hidden, ops), for a step whose rows all pick greedily,
+        where picks_greedily(ops). The logits are never widened: only each row's
+        candidates are found in the narrow head's bfloat16 logits and scored again
+        (logits.c, candidates.greedy_pick), where compute_logits writes [S, V] float32
+        that the sampler's argmax reads back (12.6 MB each way at 64 rows of a
+        49,152-token vocabulary)."""
         head = self.narrow_head
-        if self.float_head is not None or not self._narrow_in_c(ops):
-            return None
+        if not self.picks_greedily(ops):
+            raise ValueError(
+                "greedy_tokens needs a bfloat16 narrow output projection and the C kernels "
+                "(picks_greedily)"
+            )
         assert ops is not None and isinstance(head, Linear)
         h = self.norm(hidden)
         narrow = head.forward_narrow(h, ops)  # [S, V] bfloat16
         top = ops.top_columns(narrow, min(RESCORED, self.output_weight.shape[0]))  # [S, k]
         return greedy_pick(narrow, top, self._rescored(h, top))
+
+    def picks_greedily(self, ops: NativeKernels | None) -> bool:
+        """Whether greedy_tokens can pick a greedy step's tokens with these kernels."""
+        return self.float_head is None and self._narrow_in_c(ops)
 
     def _narrow_in_c(self, ops: NativeKernels | None) -> bool:
         """Whether the narrow head's logits and candidates take the C kernels."""

@@ -297,6 +297,7 @@ class NativeKernels:
         """Bfloat16 logits x [S, V] -> (their float32 values [S, V], the columns [S, width]
         int64 of each row's `width` largest, best first), in one pass over each row
         (kernels/logits.c)."""
+        _check_logits(x)
         out = torch.empty(x.shape, dtype=torch.float32)
         return out, self._top(x, width, out)
 
@@ -307,11 +308,7 @@ class NativeKernels:
         return self._top(x, width, None)
 
     def _top(self, x: torch.Tensor, width: int, out: torch.Tensor | None) -> torch.Tensor:
-        _expect(
-            x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous() and not x.is_cuda,
-            "contiguous [S, V] bfloat16 logits on the CPU",
-            x,
-        )
+        _check_logits(x)
         S, V = x.shape
         _expect(1 <= width <= min(V, WIDTH_MAX), f"a width of 1 .. {min(V, WIDTH_MAX)}", width)
         cols = torch.empty(S, width, dtype=torch.int64)
@@ -561,6 +558,14 @@ class NativeKernels:
         if failed:
             raise ValueError(f"the row kernel refused {tokens} rows of {K} (code {failed})")
         return out
+
+
+def _check_logits(x: torch.Tensor) -> None:
+    _expect(
+        x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous() and not x.is_cuda,
+        "contiguous [S, V] bfloat16 logits on the CPU",
+        x,
+    )
 
 
 def int16_scratch_bytes(M: int, K: int) -> tuple[int, int]:

@@ -62,19 +62,6 @@ class Sampler:
         self._generator.manual_seed(seed)
         self._row_argmax = row_argmax
 
-    @staticmethod
-    def greedy_only(rows: Sequence[SamplingRow]) -> bool:
-        """Whether every row's token is the plain argmax of its logits: greedy, without
-        penalties, banned tokens or logprobs (then the caller may pick the tokens without
-        the logits: LlamaForCausalLM.greedy_tokens)."""
-        return all(
-            r.params.temperature < _MIN_TEMPERATURE
-            and r.params.logprobs is None
-            and not r.params.needs_penalties
-            and not (r.output_index < r.params.min_tokens and r.min_tokens_stop_ids)
-            for r in rows
-        )
-
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) of x [R, V]."""
         if (
@@ -266,6 +253,19 @@ def _output(
         top = tuple((int(top_ids[base + t]), top_vals[base + t]) for t in range(min(k, n_top)))
         logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=flat[n + j], top=top)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def greedy_only(params: SamplingParams, output_index: int) -> bool:
+    """Whether a row's token is the plain argmax of its logits: greedy (whatever its seed
+    or filters), without penalties, logprobs, or min_tokens still to reach (whose bans
+    change the logits), so that the caller may pick it without the whole logits
+    (LlamaForCausalLM.greedy_tokens)."""
+    return (
+        params.temperature < _MIN_TEMPERATURE
+        and params.logprobs is None
+        and not params.needs_penalties
+        and output_index >= params.min_tokens
+    )
 
 
 def _inverse_temperatures(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:

@@ -121,7 +121,13 @@ static inline void kvflow_emu_dpbf16ps(int c, int a, int b) {
  * memory there, so the compiler may drop or defer stores to a buffer that only a tile load
  * reads: the decode kernel's score pass took q's tiles from a stack array never written
  * and scored NaN on an Intel Xeon with AMX, where the emulation (plain C) was right. A
- * compiler barrier before each load orders every store before it. */
+ * compiler barrier before each load orders every store before it; the same before a
+ * configuration's load, whose asm claims to read only its first 8 of 64 bytes. */
+static inline __attribute__((always_inline)) void kvflow_tile_loadconfig(const void *config) {
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(config);
+}
+#define _tile_loadconfig(config) kvflow_tile_loadconfig(config)
 #undef _tile_loadd
 #define _tile_loadd(t, base, stride)                                                          \
     do {                                                                                      \

@@ -2,9 +2,10 @@
  *
  *   kvflow_widen_top   x [S, V] bfloat16 -> out [S, V] float32 (each value widened: exact),
  *                      and cols [S, width] int64: the columns of each row's `width` largest
- *                      values, best first (equal values: the lower column first; NaN is
- *                      never picked, where torch's topk would rank it first); with out
- *                      NULL the columns alone (a greedy step that needs no whole row)
+ *                      values, best first (equal values: the lower column first); with
+ *                      out NULL the columns alone (a greedy step that needs no whole row).
+ *                      Rows are taken to hold no NaN (built with -ffast-math: an engine's
+ *                      logits hold none)
  *   kvflow_argmax_rows x [S, V] float32 -> out [S] int64, torch.argmax's columns
  *
  * One pass over a row both widens it and takes the maxima of its blocks of BLOCK values;
@@ -63,7 +64,10 @@ int kvflow_widen_top(const uint16_t *x, float *out, int S, int V, int width, int
                 }
             } else {
 #pragma omp simd reduction(max : mx)
-                for (int i = lo; i < hi; i++) mx = from_bf16(xr[i]) > mx ? from_bf16(xr[i]) : mx;
+                for (int i = lo; i < hi; i++) {
+                    const float v = from_bf16(xr[i]);
+                    mx = v > mx ? v : mx;
+                }
             }
             keep_best(top_v, top_b, &nt, width, mx, b);
         }
@@ -72,7 +76,8 @@ int kvflow_widen_top(const uint16_t *x, float *out, int S, int V, int width, int
         int nbest = 0;
         for (int j = 0; j < nt; j++) {
             const int lo = (int)top_b[j] * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
-            for (int i = lo; i < hi; i++) keep_best(best_v, best_c, &nbest, width, from_bf16(xr[i]), i);
+            for (int i = lo; i < hi; i++)
+                keep_best(best_v, best_c, &nbest, width, from_bf16(xr[i]), i);
         }
     }
     return 0;
