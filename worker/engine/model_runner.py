@@ -534,8 +534,9 @@ class ModelRunner:
         singles = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         chunks = [s for s in scheduled if s.num_new_tokens > 1]
         # chunks joining the decode rows in place first: those rows are one run from row 0
-        joining = [s for s in chunks if self._joins_in_place(s)]
-        chunks = joining + [s for s in chunks if not self._joins_in_place(s)]
+        joins = [self._joins_in_place(s) for s in chunks]
+        joining = [s for s, j in zip(chunks, joins, strict=True) if j]
+        chunks = joining + [s for s, j in zip(chunks, joins, strict=True) if not j]
         order = singles + chunks
         n_single = len(singles)
 
