@@ -21,6 +21,11 @@ Systems:
   hf-generate-batch  transformers' continuous batching manager (`generate_batch`)
   llama-server       (with --llama-server PATH) llama.cpp's server, same GGUF, at slot
                      counts --llama-slots; its best slot count is its figure
+With --llama-server, --rounds pairs follow the slot sweep: kvflow-continuous, then
+llama-server at its best slot count, alternating, each run from a cold start (a new engine
+with an empty prefix cache; a new server). A slow spell of the machine lasts minutes and
+moves a single run by up to ~1.4x, while the sweep gives llama-server the best of five
+runs: the pairs' ratio of medians is the comparison to quote.
 Prints output tok/s and computed tok/s (prompt + output), TTFT / ITL / e2e p50 and p99
 per system, the ratios, kvflow's time outside the forward pass at batch >= 32 and its
 steps by kind (prompt steps; decode steps of 1-8, 9-32, 33+ sequences: count, seconds,
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -277,6 +283,75 @@ def run_hf_generate_batch(model, wl: Workload) -> Result:
 # -- report ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Pair:
+    """One round of the alternation: output tok/s of kvflow-continuous, then of
+    llama-server at its best slot count, each a whole run of the workload."""
+
+    ours: float
+    theirs: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.theirs
+
+
+def ratio_of_medians(pairs: list[Pair]) -> float:
+    return statistics.median(p.ours for p in pairs) / statistics.median(p.theirs for p in pairs)
+
+
+def pairs_summary(pairs: list[Pair]) -> str:
+    ratios = sorted(p.ratio for p in pairs)
+    return (
+        f"{len(pairs)} alternating pairs: {ratio_of_medians(pairs):.2f}x the medians "
+        f"({statistics.median(p.ours for p in pairs):.1f} against "
+        f"{statistics.median(p.theirs for p in pairs):.1f} output tok/s), pairs "
+        f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
+    )
+
+
+def pairs_table(pairs: list[Pair], slots: int) -> str:
+    lines = [
+        f"Alternating pairs after the sweep (llama-server at {slots} slots), output tok/s:",
+        "",
+        "| round | kvflow-continuous | llama-server | ratio |",
+        "|---:|---:|---:|---:|",
+    ]
+    for i, p in enumerate(pairs, 1):
+        lines.append(f"| {i} | {p.ours:.1f} | {p.theirs:.1f} | {p.ratio:.2f}x |")
+    lines.append(
+        f"| median | {statistics.median(p.ours for p in pairs):.1f} | "
+        f"{statistics.median(p.theirs for p in pairs):.1f} | {ratio_of_medians(pairs):.2f}x |"
+    )
+    return "\n".join(lines)
+
+
+def plot_pairs(pairs: list[Pair], slots: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rounds = np.arange(1, len(pairs) + 1)
+    ax.plot(rounds, [p.ours for p in pairs], "o-", color="#2a7", label="kvflow-continuous")
+    ax.plot(
+        rounds, [p.theirs for p in pairs], "s-", color="#999", label=f"llama-server ({slots} slots)"
+    )
+    for r, p in zip(rounds, pairs, strict=True):
+        ax.annotate(
+            f"{p.ratio:.2f}x", (r, p.ours), textcoords="offset points", xytext=(0, 6), ha="center"
+        )
+    ax.set_xticks(rounds)
+    ax.set_xlabel("round (kvflow first, then llama-server)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"alternating pairs: {ratio_of_medians(pairs):.2f}x the medians")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def table(results: list[Result], base: str) -> str:
     ref = {r.system: r.tok_s for r in results}
     lines = [
@@ -349,6 +424,13 @@ def main() -> None:
     ap.add_argument("--workload", choices=("mixed", "longtail"), default="mixed")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary")
     ap.add_argument("--llama-slots", default="1,2,4,8,16")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --llama-server: alternating pairs of kvflow-continuous and llama-server "
+        "at its best slot count after the sweep (0: none)",
+    )
     ap.add_argument("--profile", action="store_true", help="profile decode at batch 16/32/64")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args()
@@ -356,6 +438,10 @@ def main() -> None:
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 0:
+        ap.error(f"--rounds must be 0 or more, not {args.rounds}")
+    if args.rounds and args.llama_server is not None and "kvflow-continuous" not in systems:
+        ap.error("--rounds alternates kvflow-continuous with llama-server: add it to --systems")
     args.out.mkdir(parents=True, exist_ok=True)
 
     cfg = EngineConfig(
@@ -424,8 +510,9 @@ def main() -> None:
     for r in results:
         r.prompt_tokens = wl.prompt_tokens
     peer_runs = []
+    pairs: list[Pair] = []
     if args.llama_server is not None:
-        from llama_peer import run_peer
+        from llama_peer import run_peer, run_slots
 
         from worker.model.gguf import default_model_path
 
@@ -442,6 +529,12 @@ def main() -> None:
                 best.prompt_tokens,
             )
         )
+        for _ in range(args.rounds):
+            ours = runners["kvflow-continuous"]().tok_s
+            theirs = run_slots(
+                args.llama_server, default_model_path(), wl, best.slots, engine.info.num_threads
+            ).tok_s
+            pairs.append(Pair(ours, theirs))
     profile_rows = []
     prompt_rows = []
     gather_rows = []
@@ -487,6 +580,8 @@ def main() -> None:
         md += "\n\nllama-server by slot count (output tok/s): " + ", ".join(
             f"{p.slots}: {p.tok_s:.1f}" for p in peer_runs
         )
+    if pairs:
+        md += f"\n\n{pairs_table(pairs, best.slots)}"
     if profile_rows:
         import step_profile
 
@@ -512,6 +607,8 @@ def main() -> None:
                 f"(sampling {cont.extra['sample_frac_b32']:.1%}); mean batch {cont.extra['mean_batch']:.1f}, "
                 f"preemptions {cont.extra['preemptions']:.0f}"
             )
+    if pairs:
+        print(f"{base} / llama-server ({best.slots} slots), {pairs_summary(pairs)}")
     for r in results:
         if "useful_slot_frac" in r.extra:
             print(
@@ -536,11 +633,23 @@ def main() -> None:
                     **{k: v for k, v in r.extra.items() if k != "timeline"},
                 }
                 for r in results
+            ]
+            + [
+                {
+                    "system": "alternating pairs",
+                    "llama_server_slots": best.slots,
+                    "kvflow_tok_s": [p.ours for p in pairs],
+                    "llama_server_tok_s": [p.theirs for p in pairs],
+                    "ratio_of_medians": ratio_of_medians(pairs),
+                }
+                for _ in pairs[:1]
             ],
             indent=2,
         )
     )
     plot(results, args.out / "engine.png")
+    if pairs:
+        plot_pairs(pairs, best.slots, args.out / "pairs.png")
     print(
         f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, {args.out / 'engine.png'}",
         file=sys.stderr,
