@@ -345,7 +345,7 @@ def plot_pairs(pairs: list[Pair], slots: int, path: Path) -> None:
     ax.set_xticks(rounds)
     ax.set_xlabel("round (kvflow first, then llama-server)")
     ax.set_ylabel("output tokens / s")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.15 * max(p.ours for p in pairs))  # room for the ratios above the points
     ax.set_title(f"alternating pairs: {ratio_of_medians(pairs):.2f}x the medians")
     ax.legend()
     fig.tight_layout()
