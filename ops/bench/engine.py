@@ -615,38 +615,34 @@ def main() -> None:
                 f"hf-generate: {r.extra['useful_slot_frac']:.0%} of computed token slots were useful"
             )
     (args.out / "engine.md").write_text(md + "\n")
-    (args.out / "engine.json").write_text(
-        json.dumps(
-            [
-                {
-                    "system": r.system,
-                    "output_tok_s": r.tok_s,
-                    "computed_tok_s": r.computed_tok_s,
-                    "wall_s": r.wall_s,
-                    "output_tokens": r.output_tokens,
-                    "ttft_p50": r.q("ttft", 50),
-                    "ttft_p99": r.q("ttft", 99),
-                    "itl_p50": r.q("itl", 50),
-                    "itl_p99": r.q("itl", 99),
-                    "e2e_p50": r.q("e2e", 50),
-                    "e2e_p99": r.q("e2e", 99),
-                    **{k: v for k, v in r.extra.items() if k != "timeline"},
-                }
-                for r in results
-            ]
-            + [
-                {
-                    "system": "alternating pairs",
-                    "llama_server_slots": best.slots,
-                    "kvflow_tok_s": [p.ours for p in pairs],
-                    "llama_server_tok_s": [p.theirs for p in pairs],
-                    "ratio_of_medians": ratio_of_medians(pairs),
-                }
-                for _ in pairs[:1]
-            ],
-            indent=2,
+    records: list[dict[str, object]] = [
+        {
+            "system": r.system,
+            "output_tok_s": r.tok_s,
+            "computed_tok_s": r.computed_tok_s,
+            "wall_s": r.wall_s,
+            "output_tokens": r.output_tokens,
+            "ttft_p50": r.q("ttft", 50),
+            "ttft_p99": r.q("ttft", 99),
+            "itl_p50": r.q("itl", 50),
+            "itl_p99": r.q("itl", 99),
+            "e2e_p50": r.q("e2e", 50),
+            "e2e_p99": r.q("e2e", 99),
+            **{k: v for k, v in r.extra.items() if k != "timeline"},
+        }
+        for r in results
+    ]
+    if pairs:
+        records.append(
+            {
+                "system": "alternating pairs",
+                "llama_server_slots": best.slots,
+                "kvflow_tok_s": [p.ours for p in pairs],
+                "llama_server_tok_s": [p.theirs for p in pairs],
+                "ratio_of_medians": ratio_of_medians(pairs),
+            }
         )
-    )
+    (args.out / "engine.json").write_text(json.dumps(records, indent=2))
     plot(results, args.out / "engine.png")
     if pairs:
         plot_pairs(pairs, best.slots, args.out / "pairs.png")
