@@ -73,6 +73,9 @@ class StepProfile:
     limit_median_tok_s: float  # median of the passes run between the timed steps
     bytes_read: float = 0.0  # what a step must read at least: weights and K/V (`step_bytes`)
     read_gb_s: float = 0.0  # the memory's read rate (`read_bandwidth`); 0: not measured
+    # mean wall ms of the further steps the phases were timed over (the phases sum to it);
+    # 0: not recorded
+    split_ms: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -260,7 +263,8 @@ def profile_decode(
     # the timed steps' contexts: `context` tokens prefilled, then one more a step
     nbytes = step_bytes(engine, batch, context + (steps + 1) / 2)
     rate = read_bandwidth() if engine.runner.device.type == "cpu" else 0.0
-    return StepProfile(batch, wall, phases, batch / min(passes), batch / between, nbytes, rate)
+    limit, limit_median = batch / min(passes), batch / between
+    return StepProfile(batch, wall, phases, limit, limit_median, nbytes, rate, split)
 
 
 def step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
@@ -530,7 +534,23 @@ def _table(first: str, rate: str, rows: Sequence[StepProfile | PromptProfile], d
             f"\nMemory limit: the bytes a step must read (each weight and each cached K/V row "
             f"once) at {gb_s:.1f} GB/s, this CPU's read rate (a sum over 1 GiB)."
         )
+    split = [p for p in rows if isinstance(p, StepProfile) and p.split_ms]
+    if split:
+        lines.append(split_note(split))
     return "\n".join(lines)
+
+
+def split_note(rows: Sequence[StepProfile]) -> str:
+    """The decode table's parts come from steps of their own, timed part by part after
+    the steps timed whole: on a machine whose speed drifts the parts' sum can differ from
+    the step's median, so say what they sum to."""
+    means = " / ".join(f"{p.split_ms:.1f}" for p in rows)
+    labels = " / ".join(p.label for p in rows)
+    return (
+        f"\nThe parts (linear layers to bookkeeping) are ms per step over further steps timed "
+        f"part by part, their mean {means} ms at batch {labels}; the step ms is the median of "
+        f"the steps timed whole before them."
+    )
 
 
 def _alternate(

@@ -48,6 +48,12 @@ def test_a_step_reads_its_weights_once_and_every_cached_row(
     prof.bytes_read, prof.read_gb_s = 2e9, 100.0
     assert prof.memory_ms == pytest.approx(20.0)
     assert "| 2000 | 20.0 | 40% |" in step_profile.table([prof], "float32")
+    # the parts' own steps: what they sum to, beside the median of the steps timed whole
+    assert "timed part by part" not in step_profile.table([prof], "float32")
+    other = step_profile.StepProfile(64, 95.0, dict.fromkeys(step_profile.PHASES, 2.0), 900, 800)
+    prof.split_ms, other.split_ms = 5.0, 110.3
+    note = step_profile.table([prof, other], "float32").splitlines()[-1]
+    assert "their mean 5.0 / 110.3 ms at batch 8 / 64" in note, note
 
 
 def test_the_decode_fill_outlasts_a_long_prefill_and_refuses_what_cannot_fit(
