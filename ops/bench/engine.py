@@ -296,16 +296,23 @@ class Pair:
         return self.ours / self.theirs
 
 
+def medians(pairs: list[Pair]) -> Pair:
+    """Each system's median over the pairs (its ratio: the ratio of medians)."""
+    return Pair(
+        statistics.median(p.ours for p in pairs), statistics.median(p.theirs for p in pairs)
+    )
+
+
 def ratio_of_medians(pairs: list[Pair]) -> float:
-    return statistics.median(p.ours for p in pairs) / statistics.median(p.theirs for p in pairs)
+    return medians(pairs).ratio
 
 
 def pairs_summary(pairs: list[Pair]) -> str:
     ratios = sorted(p.ratio for p in pairs)
+    mid = medians(pairs)
     return (
-        f"{len(pairs)} alternating pairs: {ratio_of_medians(pairs):.2f}x the medians "
-        f"({statistics.median(p.ours for p in pairs):.1f} against "
-        f"{statistics.median(p.theirs for p in pairs):.1f} output tok/s), pairs "
+        f"{len(pairs)} alternating pairs: {mid.ratio:.2f}x the medians "
+        f"({mid.ours:.1f} against {mid.theirs:.1f} output tok/s), pairs "
         f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
     )
 
@@ -317,12 +324,9 @@ def pairs_table(pairs: list[Pair], slots: int) -> str:
         "| round | kvflow-continuous | llama-server | ratio |",
         "|---:|---:|---:|---:|",
     ]
-    for i, p in enumerate(pairs, 1):
-        lines.append(f"| {i} | {p.ours:.1f} | {p.theirs:.1f} | {p.ratio:.2f}x |")
-    lines.append(
-        f"| median | {statistics.median(p.ours for p in pairs):.1f} | "
-        f"{statistics.median(p.theirs for p in pairs):.1f} | {ratio_of_medians(pairs):.2f}x |"
-    )
+    rows = [(str(i), p) for i, p in enumerate(pairs, 1)] + [("median", medians(pairs))]
+    for name, p in rows:
+        lines.append(f"| {name} | {p.ours:.1f} | {p.theirs:.1f} | {p.ratio:.2f}x |")
     return "\n".join(lines)
 
 
